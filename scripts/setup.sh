@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Installs palu-trainer and open-unlearning into one Python environment; safe to run again.
+# Inputs (from the Makefile): PY, TORCH_VERSION, TORCH_INDEX, OPEN_UNLEARNING_URL,
+# OPEN_UNLEARNING_COMMIT, OPEN_UNLEARNING_DIR.
+set -euo pipefail
+
+say() { printf '== setup: %s\n' "$*"; }
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# 1. torch first, so nothing below pulls another build (a bare `torch` would fetch CUDA wheels).
+if "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  say "torch $TORCH_VERSION present"
+else
+  say "installing torch $TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+fi
+
+# 2. open-unlearning at the pinned commit, in a cache dir outside this repo (or an existing checkout).
+if [ ! -e "$OPEN_UNLEARNING_DIR" ]; then
+  say "cloning $OPEN_UNLEARNING_URL into $OPEN_UNLEARNING_DIR"
+  mkdir -p "$(dirname "$OPEN_UNLEARNING_DIR")"
+  git clone -q "$OPEN_UNLEARNING_URL" "$OPEN_UNLEARNING_DIR"
+  git -C "$OPEN_UNLEARNING_DIR" -c advice.detachedHead=false checkout -q "$OPEN_UNLEARNING_COMMIT"
+elif [ ! -f "$OPEN_UNLEARNING_DIR/src/trainer/unlearn/base.py" ]; then
+  echo "error: $OPEN_UNLEARNING_DIR exists but is not an open-unlearning checkout" >&2
+  exit 1
+fi
+head=$(git -C "$OPEN_UNLEARNING_DIR" rev-parse HEAD 2>/dev/null || echo unknown)
+if [ "$head" != "$OPEN_UNLEARNING_COMMIT" ]; then
+  printf '\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n' >&2
+  printf '!! WARNING: open-unlearning at %s is at commit %s,\n' "$OPEN_UNLEARNING_DIR" "$head" >&2
+  printf '!! not the pinned %s. PALU is tested against the pin.\n' "$OPEN_UNLEARNING_COMMIT" >&2
+  printf '!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\n' >&2
+else
+  say "open-unlearning $head at $OPEN_UNLEARNING_DIR"
+fi
+prefix=$("$PY" -c 'import sys; print(sys.prefix)')
+mkdir -p "$prefix/etc/palu_trainer"
+realpath "$OPEN_UNLEARNING_DIR" > "$prefix/etc/palu_trainer/open-unlearning-dir"
+
+# 3. Its requirements (with our torch held), deepspeed built against that torch, lm-eval, the plugin.
+torch_pin="torch==$("$PY" -W ignore -c 'import torch; print(torch.__version__)')"
+stamp="$prefix/etc/palu_trainer/requirements.sha1"
+digest=$(cat "$OPEN_UNLEARNING_DIR/requirements.txt" setup.cfg <(echo "$torch_pin") | sha1sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ]; then
+  say "requirements unchanged since the last setup"
+else
+  skip='torch|deepspeed'
+  command -v nvidia-smi >/dev/null || skip="$skip|bitsandbytes"  # CUDA-only
+  requirements=$(mktemp)
+  grep -viE "^($skip)([=<> ]|$)" "$OPEN_UNLEARNING_DIR/requirements.txt" > "$requirements"
+  say "installing open-unlearning's requirements (skipping: ${skip//|/, })"
+  pip_install -r "$requirements" "$torch_pin"
+  say "installing deepspeed (built against $torch_pin) and lm-eval, which the framework imports"
+  pip_install --no-build-isolation "deepspeed==0.15.4" "$torch_pin"
+  pip_install "lm-eval==0.4.8" "$torch_pin"
+  say "installing palu-trainer (editable)"
+  pip_install -e ".[dev]" "$torch_pin"
+  rm -f "$requirements"
+  echo "$digest" > "$stamp"
+fi
+say "done: $("$PY" -c 'import palu_trainer, torch, transformers; print("palu-trainer", palu_trainer.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,149 @@
+"""PALU's forget loss as pure functions: local entropy on initiating tokens, KL on common ones.
+
+Shapes: B batch, T sequence length, V vocabulary, M initiating positions, C common positions,
+K reference top-K. Every reduction runs in fp32; an empty selection gives exactly 0.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from palu_trainer.roles import TokenRole
+
+TARGETS = ("global_mean", "topk_mean", "ref_mean", "uniform")
+
+
+@dataclass
+class ReferenceTargets:
+    """What PALU reads from the frozen reference model for one batch; fixed for the whole run.
+
+    topk_indices: (M, K) int64, the reference's top-K vocabulary entries at each initiating position.
+    logit_mean: (M,) fp32, the reference's mean logit there (the `ref_mean` target).
+    common_log_probs: (C, V) the reference's log-probabilities at each common position.
+    """
+
+    topk_indices: torch.Tensor
+    logit_mean: torch.Tensor
+    common_log_probs: torch.Tensor
+
+
+def shift_for_next_token(
+    logits: torch.Tensor, roles: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Align predictions with the tokens they predict: logits at t-1 go with the role of token t.
+
+    Args:
+        logits: (B, T, V). roles: (B, T) TokenRole of each input token.
+
+    Returns:
+        (B, T-1, V) logits and (B, T-1) roles of the predicted tokens.
+    """
+    return logits[:, :-1, :], roles[:, 1:]
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"unknown local-loss target c={target!r}; choose one of {', '.join(TARGETS)}")
+    return target
+
+
+def reference_targets(
+    reference_logits: torch.Tensor, roles: torch.Tensor, top_k: int
+) -> ReferenceTargets:
+    """Extract the reference's top-K indices, mean logit and common log-probabilities.
+
+    Args:
+        reference_logits: (B, T, V) reference logits, already shifted to predict `roles`' tokens.
+        roles: (B, T) TokenRole of the predicted tokens.
+        top_k: K, at most V.
+    """
+    with torch.no_grad():
+        initiating = reference_logits[roles == TokenRole.INITIATING].float()
+        common = reference_logits[roles == TokenRole.COMMON].float()
+        return ReferenceTargets(
+            topk_indices=initiating.topk(top_k, dim=-1).indices,
+            logit_mean=initiating.mean(dim=-1),
+            common_log_probs=F.log_softmax(common, dim=-1),
+        )
+
+
+def local_entropy_loss(
+    logits: torch.Tensor,
+    topk_indices: torch.Tensor,
+    target: str = "global_mean",
+    reference_logit_mean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)².
+
+    Args:
+        logits: (M, V) current-model logits at the initiating positions.
+        topk_indices: (M, K) the reference top-K at those positions.
+        target: c: `global_mean` (mean of the current logits over V), `topk_mean` (their mean over
+            the top-K), `ref_mean` (the reference's mean logit), `uniform` (0: all top-K logits
+            equal, so the distribution over them is uniform). c is a target: no gradient flows
+            through it, so only the K reference entries of each row receive gradient.
+        reference_logit_mean: (M,) required for `ref_mean`.
+
+    Returns:
+        Scalar fp32; exactly 0 when M == 0.
+    """
+    check_target(target)
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    logits = logits.float()
+    selected = logits.gather(-1, topk_indices)
+    if target == "global_mean":
+        center = logits.mean(dim=-1)
+    elif target == "topk_mean":
+        center = selected.mean(dim=-1)
+    elif target == "ref_mean":
+        if reference_logit_mean is None:
+            raise ValueError("target 'ref_mean' needs reference_logit_mean")
+        center = reference_logit_mean.float()
+    else:
+        center = torch.zeros_like(selected[:, 0])
+    return (selected - center.detach().unsqueeze(-1)).pow(2).mean(dim=-1).mean()
+
+
+def common_kl_loss(logits: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
+    """Mean over common positions of KL(P_ref ‖ P_θ).
+
+    Args:
+        logits: (C, V) current-model logits at the common positions.
+        reference_log_probs: (C, V) reference log-probabilities there.
+
+    Returns:
+        Scalar fp32; exactly 0 when C == 0.
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return F.kl_div(log_probs, reference_log_probs.float(), log_target=True, reduction="batchmean")
+
+
+def palu_forget_loss(
+    logits: torch.Tensor,
+    roles: torch.Tensor,
+    reference: ReferenceTargets,
+    target: str = "global_mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local entropy and KL terms of one forget batch; redundant tokens contribute nothing.
+
+    Args:
+        logits: (B, T, V) current logits, shifted to predict the tokens `roles` describes.
+        roles: (B, T) TokenRole of the predicted tokens.
+        reference: the reference's targets for this batch (see `reference_targets`).
+        target: c of the local loss.
+
+    Returns:
+        (local_loss, kl_loss), both fp32 scalars.
+    """
+    local = local_entropy_loss(
+        logits[roles == TokenRole.INITIATING],
+        reference.topk_indices,
+        target=target,
+        reference_logit_mean=reference.logit_mean,
+    )
+    kl = common_kl_loss(logits[roles == TokenRole.COMMON], reference.common_log_probs)
+    return local, kl

@@ -1,0 +1,113 @@
+"""PALUTrainer: wires the pure PALU losses into open-unlearning's GradDiff family."""
+
+import logging
+
+import torch
+
+from palu_trainer.framework import ensure_importable
+from palu_trainer.losses import check_target, palu_forget_loss, reference_targets, shift_for_next_token
+from palu_trainer.roles import count_roles
+
+ensure_importable()
+from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
+LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
+
+
+class PALUTrainer(GradDiff):
+    """loss = gamma·(local + kl_weight·KL) + alpha·retain, with retain ∈ {NLL, KL, none}.
+
+    Args (method_args):
+        top_k: K, the reference's top-K vocabulary entries that the local loss flattens; capped at |V|.
+        num_initiating_tokens: N, the leading tokens of each span that get the local loss. The forget
+            dataset assigns roles with it; the two must agree.
+        target: c of the local loss: global_mean, topk_mean, ref_mean or uniform.
+        kl_weight: λ, the weight of the KL term on common tokens.
+    """
+
+    def __init__(
+        self,
+        top_k=5000,
+        num_initiating_tokens=3,
+        target="global_mean",
+        kl_weight=1.0,
+        *args,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        if self.retain_loss_type not in RETAIN_LOSS_TYPES:
+            raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
+        if num_initiating_tokens < 1:
+            raise ValueError(f"num_initiating_tokens (N) must be >= 1, got {num_initiating_tokens}")
+        self.target = check_target(target)
+        self.kl_weight = kl_weight
+        self.num_initiating_tokens = num_initiating_tokens
+        vocab_size = self.model.config.vocab_size
+        if top_k > vocab_size:
+            logger.warning("top_k=%d exceeds the vocabulary; using K=|V|=%d", top_k, vocab_size)
+        self.top_k = min(top_k, vocab_size)
+        self._check_forget_dataset()
+        if self.ref_model is None:
+            self.ref_model = self._prepare_ref_model(self.model)
+        self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
+        self._term_batches = 0
+
+    def _check_forget_dataset(self):
+        forget = getattr(self.train_dataset, "forget", None)
+        if forget is None:
+            return
+        dataset_n = getattr(forget, "num_initiating_tokens", None)
+        if dataset_n is None:
+            raise ValueError(
+                "PALU needs token roles: use the QAwithSpansDataset handler for the forget set "
+                "(experiment=unlearn/tofu/palu does) and the DataCollatorWithTokenRoles collator"
+            )
+        if dataset_n != self.num_initiating_tokens:
+            raise ValueError(
+                f"the forget dataset assigns roles with N={dataset_n} but the trainer has "
+                f"num_initiating_tokens={self.num_initiating_tokens}; set them from one value"
+            )
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        forget = inputs["forget"]
+        forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
+        forget_outputs = model(**forward_inputs)
+        with torch.no_grad():
+            reference_logits = self.ref_model(**forward_inputs).logits
+        logits, roles = shift_for_next_token(forget_outputs.logits, forget["token_roles"])
+        reference = reference_targets(reference_logits[:, :-1], roles, min(self.top_k, logits.shape[-1]))
+        local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
+
+        if self.retain_loss_type == "none":
+            retain_loss = torch.zeros((), device=local_loss.device)
+        else:
+            retain = inputs["retain"]
+            retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
+            retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
+
+        loss = self.gamma * (local_loss + self.kl_weight * kl_loss) + self.alpha * retain_loss
+        self._record_terms(local_loss, kl_loss, retain_loss, roles)
+        return (loss, forget_outputs) if return_outputs else loss
+
+    def _record_terms(self, local_loss, kl_loss, retain_loss, roles):
+        counts = count_roles(roles)
+        values = [float(local_loss), float(kl_loss), float(retain_loss)] + [counts[key] for key in LOGGED_TERMS[3:]]
+        self._term_sums += torch.tensor(values, dtype=torch.float64)
+        self._term_batches += 1
+
+    def log(self, logs):
+        """Add the mean of each PALU term since the last training log; token counts are per batch."""
+        if "loss" in logs and self._term_batches:
+            totals = torch.cat([self._term_sums, torch.tensor([self._term_batches], dtype=torch.float64)])
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
+            batches = totals[-1] / self.accelerator.num_processes
+            means = totals[:-1] / totals[-1]
+            means[3:] = totals[3:-1] / batches  # counts: summed over ranks, averaged over steps
+            logs = {**logs, **{name: round(float(value), 4) for name, value in zip(LOGGED_TERMS, means)}}
+            self._term_sums.zero_()
+            self._term_batches = 0
+        super().log(logs)

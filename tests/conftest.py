@@ -1,0 +1,58 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from palu_trainer.tiny import save_tiny_model, train_bpe_tokenizer
+
+TAG_TEMPLATE = {
+    "apply_chat_template": False,
+    "user_start_tag": "Question: ",
+    "user_end_tag": "\n",
+    "asst_start_tag": "Answer:\n",
+    "asst_end_tag": "\n",
+}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """../shared (TOFU and GPT-4o spans): required in CI, skipped with a reason in a user's clone."""
+    path = Path(os.environ.get("PALU_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+    if not (path / "data" / "tofu" / "README.md").is_file():
+        message = f"TOFU data not found at {path}/data/tofu (set PALU_SHARED to the shared/ folder)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tofu_dir(shared_dir) -> Path:
+    return shared_dir / "data" / "tofu"
+
+
+@pytest.fixture(scope="session")
+def tofu_rows(tofu_dir):
+    return [json.loads(line) for line in (tofu_dir / "full.json").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tofu_rows):
+    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
+    return train_bpe_tokenizer(texts, vocab_size=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tofu_rows):
+    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), texts, vocab_size=2048)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
