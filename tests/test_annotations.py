@@ -75,7 +75,13 @@ def test_merge_spans_joins_overlapping_and_touching():
 def test_import_tpo_keeps_offsets_and_no_text(tmp_path):
     tpo = write_jsonl(
         tmp_path / "tpo.jsonl",
-        [{"index": 0, "answer": ANSWERS[0], "spans": [{"start": 20, "end": 24, "text": "Oslo"}, {"start": 0, "end": 7}]}],
+        [
+            {
+                "index": 0,
+                "answer": ANSWERS[0],
+                "spans": [{"start": 20, "end": 24, "text": "Oslo"}, {"start": 0, "end": 7}],
+            }
+        ],
     )
     assert import_tpo(tpo, tmp_path / "out.jsonl") == 1
     (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]

@@ -127,7 +127,9 @@ def test_collator_pads_roles_with_ignored(tmp_path, tokenizer):
     from palu_trainer.data import DataCollatorWithTokenRoles
 
     dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
-    batch = DataCollatorWithTokenRoles(tokenizer, index="index")([{"forget": dataset[0]}, {"forget": dataset[2]}])["forget"]
+    batch = DataCollatorWithTokenRoles(tokenizer, index="index")(
+        [{"forget": dataset[0]}, {"forget": dataset[2]}]
+    )["forget"]
     assert batch["token_roles"].shape == batch["input_ids"].shape
     short = min(len(dataset[0]["input_ids"]), len(dataset[2]["input_ids"]))
     longest = batch["input_ids"].shape[1]

@@ -7,8 +7,8 @@
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 Span = tuple[int, int]
 
@@ -81,7 +81,9 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
     for position, (row, answer) in enumerate(zip(rows, answers)):
         where = f"{source} row {position}"
         if row["index"] != position:
-            raise AnnotationError(f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order")
+            raise AnnotationError(
+                f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order"
+            )
         if row["answer_sha1"] != fingerprint(answer):
             raise AnnotationError(
                 f"{where}: answer fingerprint differs from the dataset's answer "

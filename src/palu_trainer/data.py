@@ -27,6 +27,8 @@ class QAwithSpansDataset(QADataset):
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
+        if num_initiating_tokens < 1:
+            raise ValueError(f"num_initiating_tokens (N) must be >= 1, got {num_initiating_tokens}")
         self.span_annotations = str(span_annotations)
         self.num_initiating_tokens = num_initiating_tokens
         rows = read_annotations(self.span_annotations)
@@ -39,7 +41,9 @@ class QAwithSpansDataset(QADataset):
 
     def _item_with_roles(self, position: int) -> dict:
         row = self.data[position]
-        item = self._process_sample(question=row[self.question_key], answer=row[self.answer_key], index=row["index"])
+        item = self._process_sample(
+            question=row[self.question_key], answer=row[self.answer_key], index=row["index"]
+        )
         text, answer_start = self._templated_text(row[self.question_key], row[self.answer_key])
         offsets = self._token_offsets(text, item["input_ids"].tolist(), position)
         answer_offsets = [(start - answer_start, end - answer_start) for start, end in offsets]
@@ -67,7 +71,11 @@ class QAwithSpansDataset(QADataset):
                 + answer
             )
             return text, len(text) - len(answer)
-        chat = [{"role": "system", "content": template["system_prompt"]}] if template.get("system_prompt") else []
+        chat = (
+            [{"role": "system", "content": template["system_prompt"]}]
+            if template.get("system_prompt")
+            else []
+        )
         chat += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         date = {"date_string": template["date_string"]} if template.get("date_string") else {}
         text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, **date)

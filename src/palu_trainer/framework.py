@@ -21,7 +21,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 # Where `make setup` records the checkout it used, per Python environment.
 CHECKOUT_RECORD = Path(sys.prefix) / "etc" / "palu_trainer" / "open-unlearning-dir"
-DEFAULT_CHECKOUT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "palu-trainer" / "open-unlearning"
+DEFAULT_CHECKOUT = (
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "palu-trainer" / "open-unlearning"
+)
 # Hub dataset ids that an environment variable can point at a local directory with the same configs.
 LOCAL_MIRRORS = {"locuslab/TOFU": "TOFU_DIR"}
 
@@ -69,7 +71,9 @@ def mirror_configs(mirror_dir: Path) -> set[str]:
     """Config names a local dataset directory offers, from its README's Hugging Face YAML header."""
     readme = mirror_dir / "README.md"
     if not readme.is_file():
-        raise FileNotFoundError(f"{readme} not found: a local dataset mirror needs the hub README with its `configs`")
+        raise FileNotFoundError(
+            f"{readme} not found: a local dataset mirror needs the hub README with its `configs`"
+        )
     header = readme.read_text(encoding="utf-8").split("---")
     configs = yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
     return {config["config_name"] for config in configs}

@@ -28,9 +28,7 @@ class ReferenceTargets:
     common_log_probs: torch.Tensor
 
 
-def shift_for_next_token(
-    logits: torch.Tensor, roles: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def shift_for_next_token(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Align predictions with the tokens they predict: logits at t-1 go with the role of token t.
 
     Args:
@@ -48,9 +46,7 @@ def check_target(target: str) -> str:
     return target
 
 
-def reference_targets(
-    reference_logits: torch.Tensor, roles: torch.Tensor, top_k: int
-) -> ReferenceTargets:
+def reference_targets(reference_logits: torch.Tensor, roles: torch.Tensor, top_k: int) -> ReferenceTargets:
     """Extract the reference's top-K indices, mean logit and common log-probabilities.
 
     Args:

@@ -3,9 +3,9 @@
 Pure functions over character offsets, so they can be tested without a model or the framework.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence
 
 import torch
 
@@ -77,9 +77,7 @@ def assign_token_roles(
         roles[position] = TokenRole.INITIATING if rank < num_initiating else TokenRole.REDUNDANT
     spans_dropped = sum(1 for count in tokens_in_span if count == 0)
     spans_cut = sum(
-        1
-        for count, (_, span_end) in zip(tokens_in_span, spans)
-        if count > 0 and span_end > label_text_end
+        1 for count, (_, span_end) in zip(tokens_in_span, spans) if count > 0 and span_end > label_text_end
     )
     return RoleAssignment(roles=roles, spans_cut=spans_cut, spans_dropped=spans_dropped)
 

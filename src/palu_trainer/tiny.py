@@ -1,7 +1,7 @@
 """Small models made from scratch: a byte-level BPE tokenizer and a Llama, for tests and offline demos."""
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -25,7 +25,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrai
         single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -56,7 +60,9 @@ def make_tiny_llama(
     return LlamaForCausalLM(config)
 
 
-def save_tiny_model(directory: str | Path, texts: Iterable[str], vocab_size: int = 2048, **model_kwargs) -> Path:
+def save_tiny_model(
+    directory: str | Path, texts: Iterable[str], vocab_size: int = 2048, **model_kwargs
+) -> Path:
     """Train a tokenizer on `texts`, build a Llama for it and save both with save_pretrained."""
     directory = Path(directory)
     tokenizer = train_bpe_tokenizer(texts, vocab_size)

@@ -94,7 +94,9 @@ class PALUTrainer(GradDiff):
 
     def _record_terms(self, local_loss, kl_loss, retain_loss, roles):
         counts = count_roles(roles)
-        values = [float(local_loss), float(kl_loss), float(retain_loss)] + [counts[key] for key in LOGGED_TERMS[3:]]
+        values = [float(term.detach()) for term in (local_loss, kl_loss, retain_loss)] + [
+            counts[key] for key in LOGGED_TERMS[3:]
+        ]
         self._term_sums += torch.tensor(values, dtype=torch.float64)
         self._term_batches += 1
 

@@ -1,0 +1,111 @@
+"""PALUTrainer in-process: what changes in a few steps, what must not, and argument checks."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+from palu_trainer.framework import ensure_importable
+from palu_trainer.roles import count_roles
+
+from .conftest import TAG_TEMPLATE
+from .test_roles import QA_ROWS, QA_SPANS, span_dataset
+
+ensure_importable()
+from data.unlearn import ForgetRetainDataset  # noqa: E402
+
+from palu_trainer.data import DataCollatorWithTokenRoles  # noqa: E402
+from palu_trainer.trainer import PALUTrainer  # noqa: E402
+
+
+@pytest.fixture
+def make_trainer(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def build(max_steps=3, **method_args):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        forget = span_dataset(
+            tmp_path,
+            tokenizer,
+            TAG_TEMPLATE,
+            QA_ROWS,
+            QA_SPANS,
+            n=method_args.get("num_initiating_tokens", 3),
+        )
+        retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=max_steps,
+            per_device_train_batch_size=3,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            remove_unused_columns=False,
+        )
+        return PALUTrainer(
+            model=model,
+            args=args,
+            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
+            tokenizer=tokenizer,
+            data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
+            template_args=TAG_TEMPLATE,
+            **method_args,
+        )
+
+    return build
+
+
+def test_training_moves_the_model_and_never_the_reference(make_trainer):
+    trainer = make_trainer(top_k=64)
+    reference_before = {name: p.detach().clone() for name, p in trainer.ref_model.named_parameters()}
+    model_before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    for name, parameter in trainer.ref_model.named_parameters():
+        assert torch.equal(parameter, reference_before[name]), name
+        assert not parameter.requires_grad or parameter.grad is None
+    moved = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, model_before[name])]
+    assert len(moved) == len(model_before)
+    logged = [entry for entry in trainer.state.log_history if "local_loss" in entry]
+    forget_roles = [item["token_roles"] for item in trainer.train_dataset.forget.items]
+    assert len(logged) == 3  # one batch holds the whole forget set
+    assert logged[0]["n_initiating"] == sum(count_roles(roles)["n_initiating"] for roles in forget_roles) > 0
+
+
+def test_retain_none_skips_the_retain_forward(make_trainer):
+    trainer = make_trainer(max_steps=1, retain_loss_type="none", kl_weight=0.0, top_k=64)
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "local_loss" in entry]
+    assert logged["retain_loss"] == 0.0 and logged["loss"] == pytest.approx(logged["local_loss"], rel=1e-3)
+
+
+def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
+    with caplog.at_level(logging.WARNING, logger="palu_trainer.trainer"):
+        trainer = make_trainer(top_k=10**6)
+    assert trainer.top_k == trainer.model.config.vocab_size
+    assert "exceeds the vocabulary" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("method_args", "message"),
+    [
+        ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform"),
+        ({"num_initiating_tokens": 0}, r"num_initiating_tokens \(N\) must be >= 1"),
+        ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
+    ],
+)
+def test_bad_method_args_are_rejected(make_trainer, method_args, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(**method_args)
+
+
+def test_dataset_and_trainer_must_agree_on_n(make_trainer, tmp_path, tiny_model_dir):
+    trainer = make_trainer(num_initiating_tokens=2)
+    assert trainer.num_initiating_tokens == 2
+    trainer.train_dataset.forget.num_initiating_tokens = 3
+    with pytest.raises(
+        ValueError, match="assigns roles with N=3 but the trainer has num_initiating_tokens=2"
+    ):
+        trainer._check_forget_dataset()
