@@ -59,7 +59,7 @@ def make_trainer(tmp_path, tiny_model_dir):
 
 
 def test_training_moves_the_model_and_never_the_reference(make_trainer):
-    trainer = make_trainer(top_k=64)
+    trainer = make_trainer(top_k=64, reference_cache=False)
     reference_before = {name: p.detach().clone() for name, p in trainer.ref_model.named_parameters()}
     model_before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
@@ -72,6 +72,41 @@ def test_training_moves_the_model_and_never_the_reference(make_trainer):
     forget_roles = [item["token_roles"] for item in trainer.train_dataset.forget.items]
     assert len(logged) == 3  # one batch holds the whole forget set
     assert logged[0]["n_initiating"] == sum(count_roles(roles)["n_initiating"] for roles in forget_roles) > 0
+
+
+def test_cached_run_keeps_no_reference_model(make_trainer):
+    trainer = make_trainer(max_steps=2, top_k=64)
+    assert trainer.uses_reference_cache and trainer.ref_model is None
+    trainer.train()
+    assert trainer.ref_model is None
+    cache = trainer.reference_cache
+    assert sorted(cache.topk_indices) == [0, 1, 2]
+    assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
+    assert cache.common_log_probs[0].shape[1] == trainer.model.config.vocab_size
+
+
+def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
+    def loss_and_gradients(trainer, batch):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+    cached, uncached = make_trainer(top_k=64), make_trainer(top_k=64, reference_cache=False)
+    dataset = cached.train_dataset
+    torch.manual_seed(0)
+    batches = [cached.data_collator([dataset[i] for i in rows]) for rows in ([0, 1], [2, 0], [1])]
+    for batch in batches:
+        cached_loss, cached_grads = loss_and_gradients(cached, batch)
+        uncached_loss, uncached_grads = loss_and_gradients(uncached, batch)
+        torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-5, atol=0)
+        for name, gradient in uncached_grads.items():
+            torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_kl_retain_keeps_the_reference_model(make_trainer):
+    trainer = make_trainer(retain_loss_type="KL")
+    assert not trainer.uses_reference_cache and trainer.ref_model is not None
 
 
 def test_retain_none_skips_the_retain_forward(make_trainer):
@@ -94,6 +129,8 @@ def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
         ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform"),
         ({"num_initiating_tokens": 0}, r"num_initiating_tokens \(N\) must be >= 1"),
         ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
+        ({"reference_cache_dtype": "int8"}, "choose one of"),
+        ({"reference_cache": "yes"}, "choose auto, true or false"),
     ],
 )
 def test_bad_method_args_are_rejected(make_trainer, method_args, message):

@@ -122,7 +122,13 @@ class QAwithSpansDataset(QADataset):
 
 
 class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
-    """The framework's collator, also padding `token_roles` with IGNORED."""
+    """The framework's collator, also padding `token_roles` with IGNORED and keeping row indices.
+
+    PALU's reference cache looks batch rows up by their dataset `index`, so it is kept by default.
+    """
+
+    def __init__(self, tokenizer, padding_side="right", index="index"):
+        super().__init__(tokenizer, padding_side=padding_side, index=index)
 
     def __call__(self, instances):
         batch = super().__call__(instances)

@@ -6,6 +6,7 @@ import torch
 
 from palu_trainer.framework import ensure_importable
 from palu_trainer.losses import check_target, palu_forget_loss, reference_targets, shift_for_next_token
+from palu_trainer.reference_cache import CACHE_DTYPES, build_reference_cache, describe
 from palu_trainer.roles import count_roles
 
 ensure_importable()
@@ -26,6 +27,10 @@ class PALUTrainer(GradDiff):
             dataset assigns roles with it; the two must agree.
         target: c of the local loss: global_mean, topk_mean, ref_mean or uniform.
         kl_weight: λ, the weight of the KL term on common tokens.
+        reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
+            the first step the policy, whose weights are still the reference, runs once over the forget
+            set and PALU's reference targets are kept per row on host memory; no reference model exists.
+        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached log-probabilities.
     """
 
     def __init__(
@@ -34,6 +39,8 @@ class PALUTrainer(GradDiff):
         num_initiating_tokens=3,
         target="global_mean",
         kl_weight=1.0,
+        reference_cache="auto",
+        reference_cache_dtype="float32",
         *args,
         **kwargs,
     ):
@@ -50,7 +57,14 @@ class PALUTrainer(GradDiff):
             logger.warning("top_k=%d exceeds the vocabulary; using K=|V|=%d", top_k, vocab_size)
         self.top_k = min(top_k, vocab_size)
         self._check_forget_dataset()
-        if self.ref_model is None:
+        if reference_cache_dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"reference_cache_dtype={reference_cache_dtype!r}; choose one of {list(CACHE_DTYPES)}"
+            )
+        self.reference_cache_dtype = reference_cache_dtype
+        self.uses_reference_cache = self._cache_wanted(reference_cache)
+        self.reference_cache = None
+        if not self.uses_reference_cache and self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)
         self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
         self._term_batches = 0
@@ -71,14 +85,47 @@ class PALUTrainer(GradDiff):
                 f"num_initiating_tokens={self.num_initiating_tokens}; set them from one value"
             )
 
+    def _cache_wanted(self, reference_cache) -> bool:
+        if reference_cache not in ("auto", True, False):
+            raise ValueError(f"reference_cache={reference_cache!r}; choose auto, true or false")
+        if reference_cache and self.retain_loss_type == "KL":
+            logger.info(
+                "retain_loss_type=KL reads the reference on retain rows: reference model kept, no cache"
+            )
+            return False
+        return bool(reference_cache)
+
+    def _build_reference_cache(self, model):
+        forget = self.train_dataset.forget
+        size = self.args.per_device_train_batch_size
+        batches = (
+            self._prepare_inputs(
+                self.data_collator([forget[i] for i in range(start, min(start + size, len(forget)))])
+            )
+            for start in range(0, len(forget), size)
+        )
+        was_training = model.training
+        model.eval()
+        cache = build_reference_cache(
+            lambda inputs: model(**inputs).logits, batches, self.top_k, self.reference_cache_dtype
+        )
+        model.train(was_training)
+        logger.info(describe(cache, self.top_k, self.reference_cache_dtype))
+        return cache
+
     def compute_loss(self, model, inputs, return_outputs=False):
+        if self.uses_reference_cache and self.reference_cache is None:
+            self.reference_cache = self._build_reference_cache(model)
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
         forget_outputs = model(**forward_inputs)
-        with torch.no_grad():
-            reference_logits = self.ref_model(**forward_inputs).logits
         logits, roles = shift_for_next_token(forget_outputs.logits, forget["token_roles"])
-        reference = reference_targets(reference_logits[:, :-1], roles, min(self.top_k, logits.shape[-1]))
+        if self.uses_reference_cache:
+            reference = self.reference_cache.targets(forget["index"], roles, logits.device)
+        else:
+            with torch.no_grad():
+                reference_logits = self.ref_model(**forward_inputs).logits
+            reference = reference_targets(reference_logits[:, :-1], roles, min(self.top_k, logits.shape[-1]))
         local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
 
         if self.retain_loss_type == "none":
