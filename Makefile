@@ -28,3 +28,7 @@ lint:
 format:
 	$(PY) -m ruff check --fix src tests scripts
 	$(PY) -m ruff format src tests scripts
+
+.PHONY: bench
+bench:
+	$(PY) benchmarks/bench.py --out results/bench.json

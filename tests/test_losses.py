@@ -7,8 +7,9 @@ from palu_trainer.losses import (
     common_kl_loss,
     local_entropy_loss,
     palu_forget_loss,
+    predicting_rows,
     reference_targets,
-    shift_for_next_token,
+    select_predictions,
 )
 from palu_trainer.roles import TokenRole
 
@@ -86,12 +87,15 @@ def test_bf16_logits_accumulate_in_fp32():
     torch.testing.assert_close(loss, logits.float().var(-1, unbiased=False).mean())
 
 
-def test_shift_pairs_logits_at_t_minus_1_with_role_of_token_t():
-    logits = torch.arange(3 * 4, dtype=torch.float).reshape(1, 3, 4)
-    roles = torch.tensor([[IGN, INI, COM]])
-    shifted_logits, shifted_roles = shift_for_next_token(logits, roles)
-    assert shifted_roles.tolist() == [[INI, COM]]
-    torch.testing.assert_close(shifted_logits[0, 0], logits[0, 0])  # predicts token 1
+def test_logits_at_t_minus_1_predict_the_token_at_t():
+    logits = torch.arange(2 * 3 * 4, dtype=torch.float).reshape(2, 3, 4)
+    roles = torch.tensor([[IGN, INI, COM], [INI, COM, INI]])
+    # tokens (0, 1) and (1, 2) are initiating, predicted at (0, 0) and (1, 1); token 0 has no predictor
+    assert predicting_rows(roles, TokenRole.INITIATING).tolist() == [0, 4]
+    assert predicting_rows(roles, TokenRole.COMMON).tolist() == [1, 3]
+    initiating, common = select_predictions(logits, roles)
+    torch.testing.assert_close(initiating, torch.stack([logits[0, 0], logits[1, 1]]))
+    torch.testing.assert_close(common, torch.stack([logits[0, 1], logits[1, 0]]))
 
 
 def _batch(roles, vocab=6, seed=0):
@@ -104,9 +108,8 @@ def _batch(roles, vocab=6, seed=0):
 
 def test_forget_loss_uses_the_shifted_positions():
     logits, reference_logits, roles = _batch([IGN, INI, RED, COM])
-    shifted, shifted_roles = shift_for_next_token(logits, roles)
-    reference = reference_targets(reference_logits[:, :-1], shifted_roles, top_k=3)
-    local, kl = palu_forget_loss(shifted, shifted_roles, reference)
+    reference = reference_targets(reference_logits, roles, top_k=3)
+    local, kl = palu_forget_loss(logits, roles, reference)
     # token 1 is initiating -> logits at position 0; token 3 is common -> logits at position 2
     ref_top = reference_logits[0, 0].topk(3).indices
     row = logits[0, 0].detach()
@@ -118,9 +121,8 @@ def test_forget_loss_uses_the_shifted_positions():
 
 def test_redundant_and_ignored_positions_get_exactly_zero_gradient():
     logits, reference_logits, roles = _batch([IGN, INI, INI, RED, RED, COM, COM, IGN])
-    shifted, shifted_roles = shift_for_next_token(logits, roles)
-    reference = reference_targets(reference_logits[:, :-1], shifted_roles, top_k=4)
-    local, kl = palu_forget_loss(shifted, shifted_roles, reference)
+    reference = reference_targets(reference_logits, roles, top_k=4)
+    local, kl = palu_forget_loss(logits, roles, reference)
     (local + kl).backward()
     per_position = logits.grad[0].abs().sum(-1)
     # logits at t predict token t+1: positions 2, 3 predict redundant tokens; 6, 7 predict ignored/nothing
@@ -130,9 +132,8 @@ def test_redundant_and_ignored_positions_get_exactly_zero_gradient():
 
 def test_sample_without_span_gets_only_its_finite_kl():
     logits, reference_logits, roles = _batch([IGN, COM, COM, COM])
-    shifted, shifted_roles = shift_for_next_token(logits, roles)
-    reference = reference_targets(reference_logits[:, :-1], shifted_roles, top_k=3)
-    local, kl = palu_forget_loss(shifted, shifted_roles, reference)
+    reference = reference_targets(reference_logits, roles, top_k=3)
+    local, kl = palu_forget_loss(logits, roles, reference)
     total = local + 2.0 * kl
     assert local.item() == 0.0 and torch.isfinite(total)
     torch.testing.assert_close(total, 2.0 * kl)
@@ -141,9 +142,9 @@ def test_sample_without_span_gets_only_its_finite_kl():
 
 
 def test_reference_targets_take_the_reference_top_k():
-    reference_logits = torch.tensor([[[0.0, 5.0, 1.0, 3.0], [9.0, 0.0, 0.0, 1.0]]])
-    roles = torch.tensor([[INI, COM]])
+    reference_logits = torch.tensor([[[0.0, 5.0, 1.0, 3.0], [9.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]])
+    roles = torch.tensor([[IGN, INI, COM]])
     reference = reference_targets(reference_logits, roles, top_k=2)
     assert reference.topk_indices.tolist() == [[1, 3]]
     assert reference.logit_mean.tolist() == [2.25]
-    torch.testing.assert_close(reference.common_log_probs, F.log_softmax(reference_logits[0, 1:], -1))
+    torch.testing.assert_close(reference.common_log_probs, F.log_softmax(reference_logits[0, 1:2], -1))

@@ -28,16 +28,33 @@ class ReferenceTargets:
     common_log_probs: torch.Tensor
 
 
-def shift_for_next_token(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Align predictions with the tokens they predict: logits at t-1 go with the role of token t.
+def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
+    """Rows of `logits.view(B * T, V)` that predict the tokens with `role`: token t is predicted at t-1.
 
     Args:
-        logits: (B, T, V). roles: (B, T) TokenRole of each input token.
+        roles: (B, T) TokenRole of each input token.
 
     Returns:
-        (B, T-1, V) logits and (B, T-1) roles of the predicted tokens.
+        (N,) int64 flat positions, in row-major order of the predicted tokens.
     """
-    return logits[:, :-1, :], roles[:, 1:]
+    length = roles.shape[1]
+    predicted = torch.nonzero(roles[:, 1:] == role)
+    return predicted[:, 0] * length + predicted[:, 1]
+
+
+def select_predictions(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits that predict initiating tokens (M, V) and common tokens (C, V).
+
+    One index_select over the flattened logits, so that the backward pass writes one (B·T, V)
+    gradient rather than one per slice and per mask.
+
+    Args:
+        logits: (B, T, V), unshifted. roles: (B, T) TokenRole of each input token.
+    """
+    initiating = predicting_rows(roles, TokenRole.INITIATING)
+    common = predicting_rows(roles, TokenRole.COMMON)
+    selected = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.cat([initiating, common]))
+    return selected[: len(initiating)], selected[len(initiating) :]
 
 
 def check_target(target: str) -> str:
@@ -50,13 +67,12 @@ def reference_targets(reference_logits: torch.Tensor, roles: torch.Tensor, top_k
     """Extract the reference's top-K indices, mean logit and common log-probabilities.
 
     Args:
-        reference_logits: (B, T, V) reference logits, already shifted to predict `roles`' tokens.
-        roles: (B, T) TokenRole of the predicted tokens.
+        reference_logits: (B, T, V) reference logits, unshifted.
+        roles: (B, T) TokenRole of each input token.
         top_k: K, at most V.
     """
     with torch.no_grad():
-        initiating = reference_logits[roles == TokenRole.INITIATING].float()
-        common = reference_logits[roles == TokenRole.COMMON].float()
+        initiating, common = (selected.float() for selected in select_predictions(reference_logits, roles))
         return ReferenceTargets(
             topk_indices=initiating.topk(top_k, dim=-1).indices,
             logit_mean=initiating.mean(dim=-1),
@@ -127,19 +143,16 @@ def palu_forget_loss(
     """Local entropy and KL terms of one forget batch; redundant tokens contribute nothing.
 
     Args:
-        logits: (B, T, V) current logits, shifted to predict the tokens `roles` describes.
-        roles: (B, T) TokenRole of the predicted tokens.
+        logits: (B, T, V) current logits, unshifted: position t-1 predicts token t.
+        roles: (B, T) TokenRole of each input token.
         reference: the reference's targets for this batch (see `reference_targets`).
         target: c of the local loss.
 
     Returns:
         (local_loss, kl_loss), both fp32 scalars.
     """
+    initiating, common = select_predictions(logits, roles)
     local = local_entropy_loss(
-        logits[roles == TokenRole.INITIATING],
-        reference.topk_indices,
-        target=target,
-        reference_logit_mean=reference.logit_mean,
+        initiating, reference.topk_indices, target=target, reference_logit_mean=reference.logit_mean
     )
-    kl = common_kl_loss(logits[roles == TokenRole.COMMON], reference.common_log_probs)
-    return local, kl
+    return local, common_kl_loss(common, reference.common_log_probs)

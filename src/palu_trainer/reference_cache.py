@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from palu_trainer.losses import ReferenceTargets, reference_targets, shift_for_next_token
+from palu_trainer.losses import ReferenceTargets, reference_targets
 from palu_trainer.roles import TokenRole
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,10 @@ class ReferenceCache:
 
         Args:
             row_indices: (B,) dataset index of each batch row.
-            roles: (B, T) shifted roles of the batch, used to check the cache still fits it.
+            roles: (B, T) roles of the batch's tokens, used to check the cache still fits it.
         """
         rows = [int(i) for i in row_indices]
-        for row, row_roles in zip(rows, roles):
+        for row, row_roles in zip(rows, roles[:, 1:]):
             expected = (
                 int((row_roles == TokenRole.INITIATING).sum()),
                 int((row_roles == TokenRole.COMMON).sum()),
@@ -78,8 +78,7 @@ def build_reference_cache(
     with torch.no_grad():
         for batch in batches:
             logits = forward({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
-            logits, roles = shift_for_next_token(logits, batch["token_roles"])
-            for row, (row_logits, row_roles) in enumerate(zip(logits, roles)):
+            for row, (row_logits, row_roles) in enumerate(zip(logits, batch["token_roles"])):
                 targets = reference_targets(row_logits[None], row_roles[None], min(top_k, logits.shape[-1]))
                 index = int(batch["index"][row])
                 cache.topk_indices[index] = targets.topk_indices.to("cpu", torch.int32)

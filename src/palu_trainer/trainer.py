@@ -5,7 +5,7 @@ import logging
 import torch
 
 from palu_trainer.framework import ensure_importable
-from palu_trainer.losses import check_target, palu_forget_loss, reference_targets, shift_for_next_token
+from palu_trainer.losses import check_target, palu_forget_loss, reference_targets
 from palu_trainer.reference_cache import CACHE_DTYPES, build_reference_cache, describe
 from palu_trainer.roles import count_roles
 
@@ -119,13 +119,13 @@ class PALUTrainer(GradDiff):
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
         forget_outputs = model(**forward_inputs)
-        logits, roles = shift_for_next_token(forget_outputs.logits, forget["token_roles"])
+        logits, roles = forget_outputs.logits, forget["token_roles"]
         if self.uses_reference_cache:
             reference = self.reference_cache.targets(forget["index"], roles, logits.device)
         else:
             with torch.no_grad():
                 reference_logits = self.ref_model(**forward_inputs).logits
-            reference = reference_targets(reference_logits[:, :-1], roles, min(self.top_k, logits.shape[-1]))
+            reference = reference_targets(reference_logits, roles, min(self.top_k, logits.shape[-1]))
         local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
 
         if self.retain_loss_type == "none":
