@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from palu_trainer.tiny import save_tiny_model, train_bpe_tokenizer
 
@@ -51,6 +52,25 @@ def tokenizer(tofu_rows):
 def tiny_model_dir(tmp_path_factory, tofu_rows):
     texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), texts, vocab_size=2048)
+
+
+def make_tofu_mirror(mirror: Path, tofu_dir: Path, replaced: dict[str, list[dict]]) -> Path:
+    """A TOFU_DIR: the shared TOFU files; `replaced` configs are added or overridden with the given rows."""
+    header = yaml.safe_load((tofu_dir / "README.md").read_text().split("---")[1])
+    configs = {config["config_name"]: config for config in header["configs"]}
+    for source in tofu_dir.glob("*.json"):
+        (mirror / source.name).symlink_to(source)
+    for name, rows in replaced.items():
+        (mirror / f"{name}.json").unlink(missing_ok=True)
+        write_jsonl(mirror / f"{name}.json", rows)
+        configs[name] = {"config_name": name, "data_files": f"{name}.json"}
+    header["configs"] = list(configs.values())
+    (mirror / "README.md").write_text("---\n" + yaml.safe_dump(header) + "---\n")
+    return mirror
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_jsonl(path: Path, rows) -> Path:

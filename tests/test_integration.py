@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 from palu_trainer.annotations import import_tpo
+
+from .conftest import make_tofu_mirror, read_jsonl
 
 PALU_TRAIN = Path(sys.executable).parent / "palu-train"
 QUICK_RUN = [
@@ -39,16 +40,8 @@ def tofu_mirror(tmp_path_factory, tofu_dir):
 
     TOFU's hub holdout splits are not in ../shared; these runs do not evaluate, so any 40 rows do.
     """
-    mirror = tmp_path_factory.mktemp("tofu")
-    for source in tofu_dir.glob("*.json"):
-        (mirror / source.name).symlink_to(source)
-    (mirror / "holdout01.json").write_text(
-        "".join((tofu_dir / "retain99.json").read_text().splitlines(True)[:40])
-    )
-    header = yaml.safe_load((tofu_dir / "README.md").read_text().split("---")[1])
-    header["configs"].append({"config_name": "holdout01", "data_files": "holdout01.json"})
-    (mirror / "README.md").write_text("---\n" + yaml.safe_dump(header) + "---\n")
-    return mirror
+    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
+    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})
 
 
 def palu_train(overrides, tofu_mirror, model_dir, out_dir):
