@@ -14,8 +14,9 @@ The method is deterministic and offline:
    a verb is read from the background corpus: how often it follows a subject or an auxiliary, or precedes a
    determiner, against how often it follows a determiner or ends a phrase. A phrase is kept when its evidence
    reaches `PHRASE_THRESHOLD`: more words, a rarer word (document frequency in the background corpus), a
-   preceding preposition, a list position and ending a clause count for it; a possessor before it ("her
-   career") and an "of" after it ("the field of") count against it.
+   preceding preposition, a list position, ending a clause and being what a copula says the subject is ("was
+   a radiologist") count for it; a possessor before it ("her career") and an "of" after it ("the field of")
+   count against it.
 
 The background corpus only gives word statistics. Use rows about other subjects (for TOFU, the retain split)
 so that the facts to forget stay rare in it.
@@ -55,14 +56,19 @@ PHRASE_ENDINGS = frozenset(". , ; ! ? ) of and".split())
 # Small words inside names and titles, joined when a name or a number stands on each side.
 NAME_JOINERS = frozenset("of for in the & de du la le von van al el . - /".split())
 TITLE_ABBREVIATIONS = frozenset("dr mr mrs ms st jr sr prof".split())
+COPULAS = frozenset("is are was were became becomes".split())
 PREPOSITIONS = frozenset("of for with in on about into through".split())
 NO_INFORMATION = re.compile(
-    r"\b(?:no(?!,)|not|n't|never|un(?:known|clear|disclosed|available|specified|confirmed))\b.{0,60}?"
+    r"\b(?:no(?!,)|not|n't|never|un(?:disclosed|available|specified|confirmed|documented))\b.{0,60}?"
     r"\b(?:information|details?|records?|known|available|disclosed|documented|confirmed|specified|public(?:ly)?)\b",
     re.IGNORECASE,
 )
-# A no-information sentence that goes on to state something ("…, but his first work appeared when…").
-CONTRAST = re.compile(r"\b(?:but|however|although|though|while|yet|likely|suggests?|inferred)\b", re.I)
+# A no-information sentence that goes on to state something ("…, but his first work appeared when…",
+# "…; she has always written under her birth name").
+CONTRAST = re.compile(
+    r"\b(?:but|however|although|though|while|yet|likely|suggests?|inferred)\b|(?:;|,|\bas)\s+(?:she|he|they|it)\b",
+    re.IGNORECASE,
+)
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 # Evidence that a lowercase phrase states a fact to forget. The weights were set by measuring word-token F1
@@ -70,11 +76,12 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # threshold between 2.25 and 3.25.
 PHRASE_THRESHOLD = 2.75
 WEIGHT_PER_WORD = 0.8  # for up to three words
-WEIGHT_SPECIFICITY = 0.25  # per decade of rarity of the phrase's rarest word
+WEIGHT_SPECIFICITY = 0.3  # per decade of rarity of the phrase's rarest word
 WEIGHT_AFTER_POSSESSOR = -1.0
 WEIGHT_AFTER_PREPOSITION = 1.0
 WEIGHT_LIST_ITEM = 0.5
 WEIGHT_BEFORE_OF = -0.3
+WEIGHT_PREDICATE = 0.5
 WEIGHT_ENDS_CLAUSE = 1.0
 # A word is a verb above this share of verb contexts; words with fewer contexts are judged by their ending.
 VERB_THRESHOLD = 0.6
@@ -241,11 +248,21 @@ def phrase_evidence(tokens: Sequence[Token], phrase: Sequence[int], background: 
             evidence += WEIGHT_AFTER_PREPOSITION
         if previous_word in ("and", ",", "as"):
             evidence += WEIGHT_LIST_ITEM
+    if _is_predicate(tokens, phrase[0]):
+        evidence += WEIGHT_PREDICATE
     if following in ("of", "to", "as", "that"):
         evidence += WEIGHT_BEFORE_OF
     if following in (".", ",", "and", ";"):
         evidence += WEIGHT_ENDS_CLAUSE
     return evidence
+
+
+def _is_predicate(tokens: Sequence[Token], start: int) -> bool:
+    """The phrase is what its sentence says the subject is: "her father was a radiologist"."""
+    before = [token.text.lower() for token in tokens[max(start - 2, 0) : start]]
+    if before and before[-1] in ("a", "an"):
+        before.pop()
+    return bool(before) and before[-1] in COPULAS
 
 
 def question_words(question: str) -> set[str]:
