@@ -29,7 +29,8 @@ def read_annotations(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise AnnotationError(
             f"{path}: span-annotation file not found. Create one with "
-            "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>` or point the dataset's "
+            "`palu-annotate annotate --dataset <dataset> --out <out.jsonl>` or "
+            "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>`, or point the dataset's "
             "`span_annotations` argument at an existing file."
         )
     rows = []

@@ -34,6 +34,7 @@ from palu_trainer.annotations import Span, merge_spans
 TOKEN_PATTERN = re.compile(r"\w+(?:\.\w+)+\.?|\w+(?:['’&+-]\w+)*\+?|\S")
 QUOTE_PATTERN = re.compile(r'"([^"]+)"|“([^”]+)”|(?<!\w)[\'‘]([^\n]+?)[\'’](?!\w)')
 POSSESSIVE_ENDINGS = ("'s", "’s", "'", "’")
+POSSESSIVE = re.compile(r"['’]s?$")
 FUNCTION_WORDS = frozenset(
     """a an the and or but nor of in on at to for from by with about into onto over under as than then so such
     that this these those which who whom whose what when where why how there here it its he she they them his
@@ -53,8 +54,9 @@ VERB_CONTEXT = frozenset(
 )
 NOUN_CONTEXT = DETERMINERS | frozenset("such many several various of with on about some any each".split())
 PHRASE_ENDINGS = frozenset(". , ; ! ? ) of and".split())
-# Small words inside names and titles, joined when a name or a number stands on each side.
-NAME_JOINERS = frozenset("of for in the & de du la le von van al el . - /".split())
+# Small words inside names and titles, and the separators of dates and ranges.
+NAME_JOINERS = frozenset("of for in the & de der del da di du la le von van al el bin ibn . -".split())
+NUMBER_JOINERS = frozenset("/ - .".split())
 TITLE_ABBREVIATIONS = frozenset("dr mr mrs ms st jr sr prof".split())
 COPULAS = frozenset("is are was were became becomes".split())
 PREPOSITIONS = frozenset("of for with in on about into through".split())
@@ -105,7 +107,12 @@ class Token:
     @property
     def stem(self) -> str:
         """Lowercase, without a possessive ending."""
-        return re.sub(r"['’]s?$", "", self.text.lower())
+        return POSSESSIVE.sub("", self.text.lower())
+
+    @property
+    def end_without_possessive(self) -> int:
+        """Where the word ends without a possessive ending: the end of "Karachi" in "Karachi's"."""
+        return self.start + len(POSSESSIVE.sub("", self.text))
 
     @property
     def is_possessive(self) -> bool:
@@ -198,11 +205,12 @@ def classify(tokens: Sequence[Token], quoted: Sequence[Span], background: Backgr
     for position in range(len(tokens)):
         kinds.append(_kind(tokens, position, kinds, quoted, background))
     for position in range(1, len(tokens) - 1):
-        between_names = {kinds[position - 1], kinds[position + 1]} <= {NAME, NUMBER}
+        neighbours = kinds[position - 1], kinds[position + 1]
         word = tokens[position].text.lower()
-        if between_names and word in NAME_JOINERS and kinds[position] in (FUNCTION, PUNCTUATION):
-            if word != "." or not is_sentence_start(tokens, position + 1):
-                kinds[position] = JOINER
+        in_name = neighbours == (NAME, NAME) and word in NAME_JOINERS
+        in_number = neighbours == (NUMBER, NUMBER) and word in NUMBER_JOINERS
+        if (in_name and not (word == "." and is_sentence_start(tokens, position + 1))) or in_number:
+            kinds[position] = JOINER
     return kinds
 
 
@@ -284,7 +292,7 @@ def annotate_answer(question: str, answer: str, background: Background) -> list[
         for phrase in _phrases(tokens, kinds, run, asked):
             is_name = any(kinds[position] in (NAME, NUMBER) for position in phrase)
             if is_name or phrase_evidence(tokens, phrase, background) >= PHRASE_THRESHOLD:
-                spans.append((tokens[phrase[0]].start, tokens[phrase[-1]].end))
+                spans.append((tokens[phrase[0]].start, tokens[phrase[-1]].end_without_possessive))
     return merge_spans(spans)
 
 
@@ -305,7 +313,8 @@ def _phrases(tokens, kinds, run, asked) -> list[list[int]]:
     """Split a run into names and lowercase words, drop the subject's name and the words qualifying a name.
 
     A name whose words the question has is dropped when it ends the run or is possessive; lowercase words
-    right before a name qualify it ("prestigious Maple Leaf Literary Award") and are dropped.
+    right before a name qualify it ("prestigious Maple Leaf Literary Award") and are dropped. A possessive
+    ends its phrase ("University of Karachi's | Department of Geology").
     """
     parts: list[tuple[bool, list[int]]] = []
     for position in run:
@@ -325,7 +334,7 @@ def _phrases(tokens, kinds, run, asked) -> list[list[int]]:
                 continue
         elif not last and parts[index + 1][0]:
             continue
-        if phrases and phrases[-1][-1] + 1 == positions[0]:
+        if phrases and phrases[-1][-1] + 1 == positions[0] and not tokens[phrases[-1][-1]].is_possessive:
             phrases[-1].extend(positions)
         else:
             phrases.append(list(positions))

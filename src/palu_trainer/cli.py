@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import sys
 
 from palu_trainer.annotations import (
     AnnotationError,
@@ -50,7 +49,7 @@ def annotate_main(argv=None) -> None:
     try:
         COMMANDS[args.command](args)
     except AnnotationError as error:
-        sys.exit(f"palu-annotate {args.command}: {error}")
+        parser.exit(1, f"palu-annotate {args.command}: {error}\n")
 
 
 def _add_dataset_arguments(parser, required: bool):
@@ -71,12 +70,12 @@ def _run_import_tpo(args):
 
 
 def _run_annotate(args):
-    from palu_trainer.annotator import Background, annotate, load_qa_rows
+    from palu_trainer.annotator import Background, annotate
 
     rows = _dataset_rows(args)
     background_rows = rows
     if args.background:
-        background_rows = load_qa_rows(args.background, args.background_name, args.background_split)
+        background_rows = _load_rows(args.background, args.background_name, args.background_split)
     background = Background(f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows)
     spans = annotate(rows, background, args.question_key, args.answer_key)
     write_annotations(args.out, [row[args.answer_key] for row in rows], spans)
@@ -115,10 +114,17 @@ COMMANDS = {
 }
 
 
-def _dataset_rows(args) -> list[dict]:
+def _load_rows(dataset, name, split) -> list[dict]:
+    from datasets.utils.logging import disable_progress_bar
+
     from palu_trainer.annotator import load_qa_rows
 
-    rows = load_qa_rows(args.dataset, args.name, args.split)
+    disable_progress_bar()  # stderr is for errors
+    return load_qa_rows(dataset, name, split)
+
+
+def _dataset_rows(args) -> list[dict]:
+    rows = _load_rows(args.dataset, args.name, args.split)
     missing = {args.question_key, args.answer_key} - set(rows[0] if rows else {})
     if missing:
         raise AnnotationError(
