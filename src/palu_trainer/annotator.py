@@ -74,8 +74,8 @@ CONTRAST = re.compile(
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 # Evidence that a lowercase phrase states a fact to forget. The weights were set by measuring word-token F1
-# against GPT-4o spans on TOFU forget05 (README, "Span annotations"); F1 moves by less than 0.01 for a
-# threshold between 2.25 and 3.25.
+# against GPT-4o spans on TOFU forget05 (README, "Span annotations"); F1 stays within 0.753-0.766 for
+# thresholds from 2.25 to 3.25.
 PHRASE_THRESHOLD = 2.75
 WEIGHT_PER_WORD = 0.8  # for up to three words
 WEIGHT_SPECIFICITY = 0.3  # per decade of rarity of the phrase's rarest word
