@@ -33,6 +33,7 @@ from palu_trainer.annotations import Span, merge_spans
 
 TOKEN_PATTERN = re.compile(r"\w+(?:\.\w+)+\.?|\w+(?:['’&+-]\w+)*\+?|\S")
 QUOTE_PATTERN = re.compile(r'"([^"]+)"|“([^”]+)”|(?<!\w)[\'‘]([^\n]+?)[\'’](?!\w)')
+# "Karachi's"; the apostrophe of "Williams' books" is a token of its own and marks a possessor too.
 POSSESSIVE_ENDINGS = ("'s", "’s", "'", "’")
 POSSESSIVE = re.compile(r"['’]s?$")
 FUNCTION_WORDS = frozenset(
@@ -341,7 +342,9 @@ def _phrases(tokens, kinds, run, asked) -> list[list[int]]:
     return phrases
 
 
-def annotate(rows: Sequence[dict], background: Background, question_key="question", answer_key="answer"):
+def annotate(
+    rows: Sequence[dict], background: Background, question_key: str = "question", answer_key: str = "answer"
+) -> list[list[Span]]:
     """Spans for every row, in order."""
     return [annotate_answer(row[question_key], row[answer_key], background) for row in rows]
 
