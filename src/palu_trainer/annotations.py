@@ -7,7 +7,10 @@
 
 import hashlib
 import json
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 Span = tuple[int, int]
@@ -26,7 +29,8 @@ def read_annotations(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise AnnotationError(
             f"{path}: span-annotation file not found. Create one with "
-            "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>` or point the dataset's "
+            "`palu-annotate annotate --dataset <dataset> --out <out.jsonl>` or "
+            "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>`, or point the dataset's "
             "`span_annotations` argument at an existing file."
         )
     rows = []
@@ -108,11 +112,8 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
     return all_spans
 
 
-def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
-    """Convert TPO-style annotations (`answer` and `spans` with `start`/`end`) to this format.
-
-    Overlapping or touching TPO spans are merged. Returns the number of rows written.
-    """
+def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
+    """Answers and spans of a TPO-style file (`answer` and `spans` with `start`/`end`), spans merged."""
     answers, spans = [], []
     with open(tpo_path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
@@ -123,6 +124,15 @@ def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
                 raise AnnotationError(f"{tpo_path} line {line_number}: TPO rows need 'answer' and 'spans'")
             answers.append(row["answer"])
             spans.append(merge_spans((span["start"], span["end"]) for span in row["spans"]))
+    return answers, spans
+
+
+def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
+    """Convert TPO-style annotations to this format; overlapping or touching spans are merged.
+
+    Returns the number of rows written.
+    """
+    answers, spans = read_tpo(tpo_path)
     write_annotations(out_path, answers, spans)
     return len(answers)
 
@@ -135,3 +145,60 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
         else:
             merged.append([start, end])
     return [(start, end) for start, end in merged]
+
+
+WORD = re.compile(r"\w+")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Precision, recall and F1 of a candidate against a reference, micro-averaged over all rows."""
+
+    true_positives: int
+    false_positives: int
+    false_negatives: int
+
+    @property
+    def precision(self) -> float:
+        return self.true_positives / max(self.true_positives + self.false_positives, 1)
+
+    @property
+    def recall(self) -> float:
+        return self.true_positives / max(self.true_positives + self.false_negatives, 1)
+
+    @property
+    def f1(self) -> float:
+        total = self.precision + self.recall
+        return 2 * self.precision * self.recall / total if total else 0.0
+
+    def __str__(self) -> str:
+        return f"precision {self.precision:.3f}  recall {self.recall:.3f}  F1 {self.f1:.3f}"
+
+
+def word_agreement(
+    answers: Sequence[str], reference: Sequence[Sequence[Span]], candidate: Sequence[Sequence[Span]]
+) -> Agreement:
+    """Agreement on word tokens (maximal runs of letters, digits and underscores, `\\w+`).
+
+    A word is marked by a file when any of its characters lies in one of the row's spans.
+    """
+    counts = Counter()
+    for answer, reference_spans, candidate_spans in zip(answers, reference, candidate, strict=True):
+        for word in WORD.finditer(answer):
+            counts[_covers(reference_spans, word), _covers(candidate_spans, word)] += 1
+    return Agreement(counts[True, True], counts[False, True], counts[True, False])
+
+
+def span_agreement(reference: Sequence[Sequence[Span]], candidate: Sequence[Sequence[Span]]) -> Agreement:
+    """Agreement on spans: a candidate span counts only where the reference has exactly the same span."""
+    true_positives = false_positives = false_negatives = 0
+    for reference_spans, candidate_spans in zip(reference, candidate, strict=True):
+        reference_set, candidate_set = set(map(tuple, reference_spans)), set(map(tuple, candidate_spans))
+        true_positives += len(reference_set & candidate_set)
+        false_positives += len(candidate_set - reference_set)
+        false_negatives += len(reference_set - candidate_set)
+    return Agreement(true_positives, false_positives, false_negatives)
+
+
+def _covers(spans: Iterable[Span], word: re.Match) -> bool:
+    return any(start < word.end() and word.start() < end for start, end in spans)
