@@ -58,6 +58,7 @@ def make_tofu_mirror(mirror: Path, tofu_dir: Path, replaced: dict[str, list[dict
     """A TOFU_DIR: the shared TOFU files; `replaced` configs are added or overridden with the given rows."""
     header = yaml.safe_load((tofu_dir / "README.md").read_text().split("---")[1])
     configs = {config["config_name"]: config for config in header["configs"]}
+    mirror.mkdir(parents=True, exist_ok=True)
     for source in tofu_dir.glob("*.json"):
         (mirror / source.name).symlink_to(source)
     for name, rows in replaced.items():

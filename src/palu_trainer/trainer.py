@@ -148,14 +148,14 @@ class PALUTrainer(GradDiff):
         self._term_batches += 1
 
     def log(self, logs):
-        """Add the mean of each PALU term since the last training log; token counts are per batch."""
+        """Add the mean of each PALU term since the last training log; token counts are per global batch."""
         if "loss" in logs and self._term_batches:
             totals = torch.cat([self._term_sums, torch.tensor([self._term_batches], dtype=torch.float64)])
             if self.accelerator.num_processes > 1:
                 totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
-            batches = totals[-1] / self.accelerator.num_processes
+            steps = totals[-1] / (self.accelerator.num_processes * self.args.gradient_accumulation_steps)
             means = totals[:-1] / totals[-1]
-            means[3:] = totals[3:-1] / batches  # counts: summed over ranks, averaged over steps
+            means[3:] = totals[3:-1] / steps  # counts: per optimizer step, over all ranks and micro-batches
             logs = {**logs, **{name: round(float(value), 4) for name, value in zip(LOGGED_TERMS, means)}}
             self._term_sums.zero_()
             self._term_batches = 0
