@@ -12,7 +12,17 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
 
-.PHONY: setup test lint format
+# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR and RETAIN_LOGS
+# replace hub ids and downloaded logs on offline clusters.
+FORGET ?= 05
+MODEL ?= Llama-2-7b-chat-hf
+GPUS ?=
+LR ?= 1e-5
+LAMBDA ?= 1.0
+export TOFU_DIR MODEL_DIR RETAIN_LOGS
+RECIPE = $(PY) -m palu_trainer.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+
+.PHONY: setup test lint format tofu compare tofu-sweep
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -32,3 +42,14 @@ format:
 .PHONY: bench
 bench:
 	$(PY) benchmarks/bench.py --out results/bench.json
+
+tofu:
+	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
+
+compare:
+	$(RECIPE) --kl-weight $(LAMBDA) --methods NPO SimNPO PALU
+
+# The paper's grid for PALU: lr x lambda.
+tofu-sweep:
+	for lr in 1e-5 2e-5 5e-5; do for lambda in 1 2 5 10; do \
+	  $(MAKE) --no-print-directory tofu LR=$$lr LAMBDA=$$lambda || exit $$?; done; done

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from palu_trainer.annotations import read_tpo, write_annotations
-from palu_trainer.framework import checkout_dir
+from palu_trainer.framework import write_accelerate_config
 
 from .conftest import make_tofu_mirror, read_jsonl
 from .test_integration import PALU_TRAIN, QUICK_RUN
@@ -42,17 +41,7 @@ def two_row_data(tmp_path_factory, tofu_dir, shared_dir):
 
 @pytest.fixture(scope="module")
 def zero3_config(tmp_path_factory):
-    """The framework's accelerate + ZeRO-3 configs for 2 processes, with bf16 left to TrainingArguments."""
-    root = tmp_path_factory.mktemp("zero3")
-    framework_configs = checkout_dir() / "configs" / "accelerate"
-    deepspeed = json.loads((framework_configs / "zero_stage3_offload_config.json").read_text())
-    deepspeed["bf16"]["enabled"] = "auto"
-    (root / "zero3.json").write_text(json.dumps(deepspeed))
-    accelerate = yaml.safe_load((framework_configs / "default_config.yaml").read_text())
-    accelerate["deepspeed_config"]["deepspeed_config_file"] = str(root / "zero3.json")
-    accelerate["num_processes"] = 2
-    (root / "accelerate.yaml").write_text(yaml.safe_dump(accelerate))
-    return root / "accelerate.yaml"
+    return write_accelerate_config(tmp_path_factory.mktemp("zero3"), num_processes=2, bf16="auto")
 
 
 def free_port() -> int:
