@@ -148,13 +148,15 @@ def bench_top_k(device, vocab_size=128256, batch=2, length=128, repeats=5):
     roles[:, ::10] = TokenRole.INITIATING
     roles[:, 1::10] = TokenRole.REDUNDANT
     initiating = int((roles == TokenRole.INITIATING).sum())
-    common_log_probs = torch.log_softmax(torch.randn(int((roles == TokenRole.COMMON).sum()), vocab_size), -1)
+    common_probs = torch.softmax(torch.randn(int((roles == TokenRole.COMMON).sum()), vocab_size), -1)
+    common_neg_entropy = torch.special.xlogy(common_probs, common_probs).sum(-1)
     results = {}
     for top_k in (1, 1000, 5000, 10000, vocab_size):
         reference = ReferenceTargets(
             topk_indices=torch.randint(0, vocab_size, (initiating, top_k), device=device),
             logit_mean=torch.zeros(initiating, device=device),
-            common_log_probs=common_log_probs.to(device),
+            common_probs=common_probs.to(device),
+            common_neg_entropy=common_neg_entropy.to(device),
         )
         durations = []
         for _ in range(repeats + 1):

@@ -63,18 +63,28 @@ def test_unknown_target_lists_the_choices():
     assert TARGETS == ("global_mean", "topk_mean", "ref_mean", "uniform")
 
 
+def reference_of(reference_logits):
+    probs = F.softmax(reference_logits, -1)
+    return probs, (probs * probs.log()).sum(-1)
+
+
 def test_kl_matches_the_definition_and_is_zero_for_equal_distributions():
-    logits, reference = torch.randn(5, 11), torch.randn(5, 11)
+    logits, reference = torch.randn(5, 11, requires_grad=True), torch.randn(5, 11)
     ref_log_probs = F.log_softmax(reference, -1)
-    expected = (ref_log_probs.exp() * (ref_log_probs - F.log_softmax(logits, -1))).sum(-1).mean()
-    torch.testing.assert_close(common_kl_loss(logits, ref_log_probs), expected)
-    assert common_kl_loss(reference, ref_log_probs).item() == pytest.approx(0.0, abs=1e-6)
+    expected = F.kl_div(F.log_softmax(logits, -1), ref_log_probs, log_target=True, reduction="batchmean")
+    kl = common_kl_loss(logits, *reference_of(reference))
+    torch.testing.assert_close(kl, expected)
+    assert common_kl_loss(reference, *reference_of(reference)).item() == pytest.approx(0.0, abs=1e-6)
+    (gradient,) = torch.autograd.grad(kl, logits)
+    (expected_gradient,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(gradient, expected_gradient)
+    torch.testing.assert_close(gradient, (F.softmax(logits, -1) - ref_log_probs.exp()).detach() / 5)
 
 
 def test_empty_selections_give_exact_zero_in_fp32():
     empty = torch.zeros(0, 9, dtype=torch.bfloat16)
     local = local_entropy_loss(empty, torch.zeros(0, 3, dtype=torch.long))
-    kl = common_kl_loss(empty, torch.zeros(0, 9))
+    kl = common_kl_loss(empty, torch.zeros(0, 9), torch.zeros(0))
     assert local.item() == 0.0 and kl.item() == 0.0
     assert local.dtype == kl.dtype == torch.float32
 
@@ -114,7 +124,7 @@ def test_forget_loss_uses_the_shifted_positions():
     ref_top = reference_logits[0, 0].topk(3).indices
     row = logits[0, 0].detach()
     expected_local = (row[ref_top] - row.mean()).pow(2).mean()
-    expected_kl = common_kl_loss(logits[0, 2:3].detach(), F.log_softmax(reference_logits[0, 2:3], -1))
+    expected_kl = common_kl_loss(logits[0, 2:3].detach(), *reference_of(reference_logits[0, 2:3]))
     torch.testing.assert_close(local.detach(), expected_local)
     torch.testing.assert_close(kl.detach(), expected_kl)
 
@@ -147,4 +157,6 @@ def test_reference_targets_take_the_reference_top_k():
     reference = reference_targets(reference_logits, roles, top_k=2)
     assert reference.topk_indices.tolist() == [[1, 3]]
     assert reference.logit_mean.tolist() == [2.25]
-    torch.testing.assert_close(reference.common_log_probs, F.log_softmax(reference_logits[0, 1:2], -1))
+    probs, neg_entropy = reference_of(reference_logits[0, 1:2])
+    torch.testing.assert_close(reference.common_probs, probs)
+    torch.testing.assert_close(reference.common_neg_entropy, neg_entropy)

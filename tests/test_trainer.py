@@ -82,7 +82,7 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     cache = trainer.reference_cache
     assert sorted(cache.topk_indices) == [0, 1, 2]
     assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
-    assert cache.common_log_probs[0].shape[1] == trainer.model.config.vocab_size
+    assert cache.common_probs[0].shape[1] == trainer.model.config.vocab_size
 
 
 def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):

@@ -20,12 +20,14 @@ class ReferenceTargets:
 
     topk_indices: (M, K) int64, the reference's top-K vocabulary entries at each initiating position.
     logit_mean: (M,) fp32, the reference's mean logit there (the `ref_mean` target).
-    common_log_probs: (C, V) the reference's log-probabilities at each common position.
+    common_probs: (C, V) the reference's probabilities P_ref at each common position.
+    common_neg_entropy: (C,) fp32, Σ P_ref·log P_ref there: the constant part of the KL.
     """
 
     topk_indices: torch.Tensor
     logit_mean: torch.Tensor
-    common_log_probs: torch.Tensor
+    common_probs: torch.Tensor
+    common_neg_entropy: torch.Tensor
 
 
 def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
@@ -64,7 +66,7 @@ def check_target(target: str) -> str:
 
 
 def reference_targets(reference_logits: torch.Tensor, roles: torch.Tensor, top_k: int) -> ReferenceTargets:
-    """Extract the reference's top-K indices, mean logit and common log-probabilities.
+    """Extract the reference's top-K indices, mean logit and common probabilities.
 
     Args:
         reference_logits: (B, T, V) reference logits, unshifted.
@@ -73,10 +75,12 @@ def reference_targets(reference_logits: torch.Tensor, roles: torch.Tensor, top_k
     """
     with torch.no_grad():
         initiating, common = (selected.float() for selected in select_predictions(reference_logits, roles))
+        common_probs = F.softmax(common, dim=-1)
         return ReferenceTargets(
             topk_indices=initiating.topk(top_k, dim=-1).indices,
             logit_mean=initiating.mean(dim=-1),
-            common_log_probs=F.log_softmax(common, dim=-1),
+            common_probs=common_probs,
+            common_neg_entropy=torch.special.xlogy(common_probs, common_probs).sum(dim=-1),
         )
 
 
@@ -118,20 +122,48 @@ def local_entropy_loss(
     return (selected - center.detach().unsqueeze(-1)).pow(2).mean(dim=-1).mean()
 
 
-def common_kl_loss(logits: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
+class _KLFromReference(torch.autograd.Function):
+    """Per-row KL(P_ref ‖ softmax(z)) = Σ p·log p − p·z + logsumexp(z).
+
+    One exponential pass over (C, V): the forward keeps softmax(z), and the gradient (softmax(z) − p)
+    is formed in place, so no log-softmax or KL-elementwise tensor of size (C, V) is materialised. The
+    backward consumes its saved softmax: it runs once per forward, as in training.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, probs, neg_entropy):
+        row_max = logits.amax(dim=-1, keepdim=True)
+        softmax = (logits - row_max).exp_()
+        normalizer = softmax.sum(dim=-1, keepdim=True)
+        softmax.div_(normalizer)
+        log_normalizer = (row_max + normalizer.log()).squeeze(-1)
+        cross = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(softmax, probs)
+        return neg_entropy - cross + log_normalizer
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        softmax, probs = ctx.saved_tensors
+        return softmax.sub_(probs).mul_(grad_rows.unsqueeze(-1)), None, None
+
+
+def common_kl_loss(
+    logits: torch.Tensor, reference_probs: torch.Tensor, reference_neg_entropy: torch.Tensor
+) -> torch.Tensor:
     """Mean over common positions of KL(P_ref ‖ P_θ).
 
     Args:
         logits: (C, V) current-model logits at the common positions.
-        reference_log_probs: (C, V) reference log-probabilities there.
+        reference_probs: (C, V) P_ref there (any float dtype; used in fp32).
+        reference_neg_entropy: (C,) Σ P_ref·log P_ref there.
 
     Returns:
         Scalar fp32; exactly 0 when C == 0.
     """
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    return F.kl_div(log_probs, reference_log_probs.float(), log_target=True, reduction="batchmean")
+    per_row = _KLFromReference.apply(logits.float(), reference_probs.float(), reference_neg_entropy.float())
+    return per_row.mean()
 
 
 def palu_forget_loss(
@@ -155,4 +187,4 @@ def palu_forget_loss(
     local = local_entropy_loss(
         initiating, reference.topk_indices, target=target, reference_logit_mean=reference.logit_mean
     )
-    return local, common_kl_loss(common, reference.common_log_probs)
+    return local, common_kl_loss(common, reference.common_probs, reference.common_neg_entropy)

@@ -22,17 +22,18 @@ CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class ReferenceCache:
     """Per forget row (keyed by dataset index), on host memory.
 
-    topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; common_log_probs[i]: (C_i, V) in the
-    cache dtype, rows in the order of the row's initiating / common positions.
+    topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; common_probs[i]: (C_i, V) in the cache
+    dtype; common_neg_entropy[i]: (C_i,) fp32; rows in the order of the row's initiating / common positions.
     """
 
     topk_indices: dict[int, torch.Tensor]
     logit_mean: dict[int, torch.Tensor]
-    common_log_probs: dict[int, torch.Tensor]
+    common_probs: dict[int, torch.Tensor]
+    common_neg_entropy: dict[int, torch.Tensor]
 
     @property
     def nbytes(self) -> int:
-        tables = (self.topk_indices, self.logit_mean, self.common_log_probs)
+        tables = (self.topk_indices, self.logit_mean, self.common_probs, self.common_neg_entropy)
         return sum(t.numel() * t.element_size() for table in tables for t in table.values())
 
     def targets(self, row_indices: Iterable[int], roles: torch.Tensor, device) -> ReferenceTargets:
@@ -48,7 +49,7 @@ class ReferenceCache:
                 int((row_roles == TokenRole.INITIATING).sum()),
                 int((row_roles == TokenRole.COMMON).sum()),
             )
-            cached = (self.topk_indices[row].shape[0], self.common_log_probs[row].shape[0])
+            cached = (self.topk_indices[row].shape[0], self.common_probs[row].shape[0])
             if expected != cached:
                 raise RuntimeError(
                     f"reference cache for forget row {row} holds {cached} initiating/common positions, the "
@@ -57,7 +58,8 @@ class ReferenceCache:
         return ReferenceTargets(
             topk_indices=torch.cat([self.topk_indices[r] for r in rows]).to(device, torch.long),
             logit_mean=torch.cat([self.logit_mean[r] for r in rows]).to(device),
-            common_log_probs=torch.cat([self.common_log_probs[r] for r in rows]).to(device, torch.float32),
+            common_probs=torch.cat([self.common_probs[r] for r in rows]).to(device, torch.float32),
+            common_neg_entropy=torch.cat([self.common_neg_entropy[r] for r in rows]).to(device),
         )
 
 
@@ -74,7 +76,7 @@ def build_reference_cache(
     """
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"reference_cache_dtype={dtype!r}; choose one of {', '.join(CACHE_DTYPES)}")
-    cache = ReferenceCache({}, {}, {})
+    cache = ReferenceCache({}, {}, {}, {})
     with torch.no_grad():
         for batch in batches:
             logits = forward({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
@@ -83,14 +85,15 @@ def build_reference_cache(
                 index = int(batch["index"][row])
                 cache.topk_indices[index] = targets.topk_indices.to("cpu", torch.int32)
                 cache.logit_mean[index] = targets.logit_mean.cpu()
-                cache.common_log_probs[index] = targets.common_log_probs.to("cpu", CACHE_DTYPES[dtype])
+                cache.common_probs[index] = targets.common_probs.to("cpu", CACHE_DTYPES[dtype])
+                cache.common_neg_entropy[index] = targets.common_neg_entropy.cpu()
     return cache
 
 
 def describe(cache: ReferenceCache, top_k: int, dtype: str) -> str:
     initiating = sum(t.shape[0] for t in cache.topk_indices.values())
-    common = sum(t.shape[0] for t in cache.common_log_probs.values())
-    vocab = next((t.shape[1] for t in cache.common_log_probs.values() if t.numel()), 0)
+    common = sum(t.shape[0] for t in cache.common_probs.values())
+    vocab = next((t.shape[1] for t in cache.common_probs.values() if t.numel()), 0)
     return (
         f"reference cache: {len(cache.topk_indices)} forget rows, {initiating} initiating positions x "
         f"K={top_k} int32, {common} common positions x V={vocab} {dtype}: {cache.nbytes / 2**20:.1f} MiB "

@@ -30,7 +30,7 @@ class PALUTrainer(GradDiff):
         reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
             the first step the policy, whose weights are still the reference, runs once over the forget
             set and PALU's reference targets are kept per row on host memory; no reference model exists.
-        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached log-probabilities.
+        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached probabilities.
     """
 
     def __init__(
