@@ -12,7 +12,11 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
 
-.PHONY: setup test lint format
+.PHONY: setup test lint format demo
+
+# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
+DATA ?= synthetic
+TOFU_DIR ?= $(SHARED)/data/tofu
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -28,3 +32,7 @@ lint:
 format:
 	$(PY) -m ruff check --fix src tests scripts
 	$(PY) -m ruff format src tests scripts
+
+demo:
+	$(PY) -m palu_trainer.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
+		$(if $(JOBS),--jobs $(JOBS)) $(if $(filter tofu,$(DATA)),--tofu-dir $(TOFU_DIR))
