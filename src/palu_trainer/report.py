@@ -44,9 +44,10 @@ SELECTION_RULE = (
 )
 UTILITY_NOTE = (
     "retain utility = harmonic mean of retain ROUGE, retain probability and retain truth ratio (the "
-    "retain half of the stock model utility). Stock MU also averages in real-author and world-fact "
-    "questions, which a model trained from scratch cannot answer, so it sits near 0 for every model "
-    "here; the table ranks and selects by retain utility."
+    "retain half of the stock model utility). Stock MU is the harmonic mean of nine parts, six on "
+    "real-author and world-fact questions that a model trained from scratch cannot answer: one part "
+    "near 0 collapses it, so it is ≈ 0 (and noise) for these models; the table ranks and selects by "
+    "retain utility."
 )
 
 
