@@ -22,7 +22,7 @@ from pathlib import Path
 
 from palu_trainer import report, synthetic
 from palu_trainer.annotations import import_tpo
-from palu_trainer.framework import PROJECT_ROOT
+from palu_trainer.framework import CONFIG_DIR, PROJECT_ROOT
 from palu_trainer.tiny import save_tiny_model
 
 
@@ -253,6 +253,7 @@ class Demo:
         key = [
             file_digest(split_file),
             file_digest(*(model_dir / f for f in ("config.json", "model.safetensors", "tokenizer.json"))),
+            file_digest(CONFIG_DIR / "experiment" / "finetune" / "tofu" / "tiny.yaml"),
             *overrides,
         ]
 
@@ -281,7 +282,12 @@ class Demo:
 
         stage = f"evaluate {name}"
         if cache:
-            key = [file_digest(model_dir / "model.safetensors"), *self.benchmark_digest(), *overrides]
+            key = [
+                file_digest(model_dir / "model.safetensors"),
+                *self.benchmark_digest(),
+                file_digest(CONFIG_DIR / "experiment" / "eval" / "tofu" / "tiny.yaml"),
+                *overrides,
+            ]
             out_dir, _ = self.run_cached_stage(stage, "eval", key, produce)
         else:
             out_dir = self.run_dir / "evals" / name
