@@ -22,7 +22,10 @@ LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS
 RECIPE = $(PY) -m palu_trainer.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 
-.PHONY: setup test lint format tofu compare tofu-sweep
+# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
+DATA ?= synthetic
+
+.PHONY: setup test lint format tofu compare tofu-sweep demo bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -32,16 +35,19 @@ test:
 	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests
 
 lint:
-	$(PY) -m ruff check src tests scripts
-	$(PY) -m ruff format --check src tests scripts
+	$(PY) -m ruff check src tests scripts benchmarks
+	$(PY) -m ruff format --check src tests scripts benchmarks
 
 format:
-	$(PY) -m ruff check --fix src tests scripts
-	$(PY) -m ruff format src tests scripts
+	$(PY) -m ruff check --fix src tests scripts benchmarks
+	$(PY) -m ruff format src tests scripts benchmarks
 
-.PHONY: bench
 bench:
 	$(PY) benchmarks/bench.py --out results/bench.json
+
+demo:
+	$(PY) -m palu_trainer.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
+		$(if $(JOBS),--jobs $(JOBS)) $(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
