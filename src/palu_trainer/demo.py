@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from palu_trainer import report, synthetic
-from palu_trainer.annotations import import_tpo
+from palu_trainer.annotations import import_tpo, read_annotations, validate_annotations
 from palu_trainer.framework import CONFIG_DIR, PROJECT_ROOT
 from palu_trainer.tiny import save_tiny_model
 
@@ -134,7 +134,8 @@ def make_tofu_subset(source_dir: Path, spans_file: Path, data_dir: Path) -> Benc
     """forget05's authors + 20 retain authors as `full`; holdout05 from authors never trained on.
 
     retain_perturbed keeps the rows of the trained retain authors; real authors and world facts are
-    TOFU's own. Span annotations come from a TPO-style file (e.g. GPT-4o's) for forget05.
+    TOFU's own. Span annotations of forget05 come from a TPO-style file (e.g. GPT-4o's) or a file in
+    this project's format (e.g. span_annotations/tofu_forget05.jsonl).
     """
     full = read_rows(source_dir / "full.json")
     forget, retain = author_rows(full, TOFU_FORGET_AUTHORS), author_rows(full, TOFU_RETAIN_AUTHORS)
@@ -161,7 +162,12 @@ def make_tofu_subset(source_dir: Path, spans_file: Path, data_dir: Path) -> Benc
         configs[name] = []
     synthetic.write_readme(data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_trainer.demo).")
     annotations = data_dir / "span_annotations" / "forget05.jsonl"
-    import_tpo(spans_file, annotations)
+    if "answer_sha1" in read_rows(spans_file)[0]:  # already this project's format: check it, keep it
+        validate_annotations(read_annotations(spans_file), [row["answer"] for row in forget], str(spans_file))
+        annotations.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(spans_file, annotations)
+    else:
+        import_tpo(spans_file, annotations)
     return Benchmark(
         data_dir,
         "forget05",
@@ -342,8 +348,11 @@ def run(
     tofu_dir: Path | None = None,
     spans_file: Path | None = None,
     jobs: int = 1,
+    methods: tuple[str, ...] | None = None,
 ) -> dict[str, Path]:
     size = SIZES[size_name]
+    if methods:
+        size = replace(size, methods=methods)
     grid_runs = len(size.methods) * len(size.learning_rates)
     progress = Progress(total_stages=6 + 2 * grid_runs)
     shutil.rmtree(run_dir / "datasets-cache", ignore_errors=True)
@@ -431,7 +440,12 @@ def main(argv=None) -> None:
     parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic")
     parser.add_argument("--fast", action="store_true", help="the ≤ 2 minute variant (tests)")
     parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
-    parser.add_argument("--spans", type=Path, help="TPO-style span annotations of forget05 (for --data tofu)")
+    parser.add_argument(
+        "--spans", type=Path, help="forget05 span annotations, TPO-style or this project's (for --data tofu)"
+    )
+    parser.add_argument(
+        "--methods", nargs="+", choices=ALL_METHODS, help="unlearning methods to run (default all)"
+    )
     parser.add_argument("--run", help="results/<run>/ (default: data name, + '-fast')")
     parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
     parser.add_argument("--seed", type=int, default=0)
@@ -451,6 +465,7 @@ def main(argv=None) -> None:
         args.tofu_dir,
         args.spans,
         args.jobs,
+        tuple(args.methods) if args.methods else None,
     )
 
 
