@@ -53,7 +53,7 @@ tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
 
 compare:
-	$(RECIPE) --kl-weight $(LAMBDA) --methods NPO SimNPO PALU
+	$(RECIPE) --kl-weight $(LAMBDA) --methods NPO SimNPO PALU --report results/compare_forget$(FORGET)_$(MODEL)
 
 # The paper's grid for PALU: lr x lambda.
 tofu-sweep:

@@ -1,11 +1,12 @@
 """`make tofu` / `make compare`: the plan they print, and the fast failure on a machine without GPUs."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from palu_trainer.recipe import Run, missing_requirements, plan
+from palu_trainer.recipe import Run, missing_requirements, plan, write_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +60,34 @@ def test_missing_tofu_configs_and_model_dir_are_named(tmp_path):
     problems = missing_requirements(run, {"TOFU_DIR": str(tmp_path)})
     assert any("lacks the configs retain99, holdout01" in problem for problem in problems)
     assert any("MODEL_DIR=" in problem and "no config.json" in problem for problem in problems)
+
+
+def fake_eval(path: Path, forget_quality: float, retain_rouge: float) -> None:
+    metrics = {
+        "forget_quality": forget_quality,
+        "model_utility": 0.5,
+        "forget_Q_A_ROUGE": 0.4,
+        "extraction_strength": 0.1,
+        "privleak": -5.0,
+        "retain_Q_A_ROUGE": retain_rouge,
+        "retain_Q_A_Prob": 0.9,
+        "retain_Truth_Ratio": 0.6,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({key: {"agg_value": value} for key, value in metrics.items()}))
+
+
+def test_compare_renders_one_table_from_the_framework_evaluations(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = Run(forget="05", model="Llama-2-7b-chat-hf", gpus=2)
+    fake_eval(Path(run.original_logs_path), 1e-20, 0.95)
+    fake_eval(Path(run.retain_logs_path), 1.0, 0.9)
+    for method, quality in (("NPO", 1e-3), ("SimNPO", 1e-4), ("PALU", 1e-2)):
+        fake_eval(run.eval_path(method), quality, 0.85)
+    paths = write_comparison(run, ["NPO", "SimNPO", "PALU"], {"PALU": 120.0}, tmp_path / "report")
+    summary = json.loads(paths["summary.json"].read_text())
+    assert list(summary["selected"]) == ["PALU", "NPO", "SimNPO"]  # ranked by forget quality
+    assert summary["selected"]["PALU"]["params"] == {"lr": "1e-5", "lambda": "1.0"}
+    table = paths["summary.md"].read_text()
+    assert "| PALU | 0.01 |" in table and "| 120 s |" in table
+    assert paths["plot"].stat().st_size > 10_000

@@ -51,6 +51,14 @@ class Run:
     def retain_logs_path(self) -> str:
         return self.retain_logs or f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
 
+    @property
+    def original_logs_path(self) -> str:
+        """The finetuned target's own evaluation, from the same `setup_data.py --eval_logs` download."""
+        return f"saves/eval/tofu_{self.model}_full/TOFU_EVAL.json"
+
+    def eval_path(self, method: str) -> Path:
+        return Path("saves/unlearn") / self.task_name(method) / "evals" / "TOFU_EVAL.json"
+
 
 BIN = Path(sys.executable).parent
 
@@ -99,16 +107,18 @@ def eval_command(run: Run, method: str) -> list[str]:
         f"task_name={run.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
-        f"paths.output_dir={saved}/evals",
+        f"paths.output_dir={run.eval_path(method).parent}",
         f"retain_logs_path={run.retain_logs_path}",
     ]
 
 
-def missing_requirements(run: Run, environ=os.environ) -> list[str]:
+def missing_requirements(run: Run, environ=os.environ, needs_original_logs=False) -> list[str]:
     """What this machine lacks for the real recipe, each with what to do; empty when ready."""
     import torch
 
     problems = []
+    if needs_original_logs and not Path(run.original_logs_path).is_file():
+        problems.append(f"{run.original_logs_path} not found: the comparison table's Original row needs it")
     if torch.cuda.device_count() < run.gpus:
         problems.append(
             f"{run.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe fine-tunes a "
@@ -165,6 +175,35 @@ def plan(run: Run, methods: list[str], accelerate_config: Path) -> list[tuple[st
     return steps
 
 
+def write_comparison(run: Run, methods: list[str], wall_times: dict[str, float], out_dir: Path) -> dict:
+    """One table, JSON and utility-vs-FQ plot of the methods' evaluations (palu_trainer.report)."""
+    from palu_trainer import report
+
+    references = {
+        "Original": report.run_from_eval(run.original_logs_path),
+        "Retain": report.run_from_eval(run.retain_logs_path),
+    }
+    references["Retain"].metrics["forget_quality"] = 1.0  # a KS test of Retain against itself
+    grids = {
+        method: [
+            report.run_from_eval(
+                run.eval_path(method),
+                wall_times.get(method),
+                {"lr": run.learning_rate, **({"lambda": run.kl_weight} if method == "PALU" else {})},
+            )
+        ]
+        for method in methods
+    }
+    forget, retain, _ = run.splits
+    return report.write_report(
+        out_dir,
+        references,
+        grids,
+        title=f"TOFU {forget}: {', '.join(methods)} on {run.model}",
+        notes=[f"Retain: {run.retain_logs_path} ({retain}); Original: {run.original_logs_path}."],
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -181,6 +220,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kl-weight", default="1.0", help="PALU's λ")
     parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
     parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
+    parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
     import torch
@@ -195,7 +235,7 @@ def main(argv=None) -> None:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
         return
-    problems = missing_requirements(run)
+    problems = missing_requirements(run, needs_original_logs=args.report is not None)
     if problems:
         print(
             "\ncannot run the real recipe here:", *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr
@@ -207,11 +247,18 @@ def main(argv=None) -> None:
         sys.exit(2)
     if gpus > 1:
         write_accelerate_config(accelerate_dir, gpus)
+    wall_times = {}
     for title, command in steps:
         started = time.monotonic()
         print(f"\n== {title}", flush=True)
         subprocess.run(command, check=True)
-        print(f"== {title}: {time.monotonic() - started:.0f} s", flush=True)
+        seconds = time.monotonic() - started
+        print(f"== {title}: {seconds:.0f} s", flush=True)
+        if title.endswith("unlearn"):
+            wall_times[title.split(":")[0]] = seconds
+    if args.report:
+        for label, path in write_comparison(run, args.methods, wall_times, args.report).items():
+            print(f"{label}: {path}")
 
 
 if __name__ == "__main__":
