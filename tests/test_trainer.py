@@ -104,6 +104,14 @@ def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
             torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_cache_refuses_weights_past_the_first_step(make_trainer):
+    trainer = make_trainer(top_k=64)
+    trainer.state.global_step = 5
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    with pytest.raises(RuntimeError, match="at step 5 .*resume with reference_cache=false"):
+        trainer.compute_loss(trainer.model, batch)
+
+
 def test_kl_retain_keeps_the_reference_model(make_trainer):
     trainer = make_trainer(retain_loss_type="KL")
     assert not trainer.uses_reference_cache and trainer.ref_model is not None

@@ -96,6 +96,11 @@ class PALUTrainer(GradDiff):
         return bool(reference_cache)
 
     def _build_reference_cache(self, model):
+        if self.state.global_step > 0:
+            raise RuntimeError(
+                f"the reference cache must come from the weights before unlearning, but training is at step "
+                f"{self.state.global_step} (resumed from a checkpoint?): resume with reference_cache=false"
+            )
         forget = self.train_dataset.forget
         size = self.args.per_device_train_batch_size
         batches = (
