@@ -96,7 +96,9 @@ def single_process(tmp_path_factory, two_row_data, tiny_model_dir):
 def assert_same_run(distributed, single, tiny_model_dir):
     (steps, weights), (single_steps, single_weights) = distributed, single
     assert len(steps) == 2
-    print(f"first-step loss: 2 processes {steps[0]['loss']}, 1 process {single_steps[0]['loss']}")
+    for key in ("loss", "local_loss", "retain_loss", "grad_norm"):
+        print(f"first step {key}: 2 processes {steps[0][key]}, 1 process {single_steps[0][key]}")
+    assert steps[0]["grad_norm"] == pytest.approx(single_steps[0]["grad_norm"], rel=1e-4)
     for key in ("loss", "local_loss", "retain_loss"):
         assert steps[0][key] == pytest.approx(single_steps[0][key], abs=1e-4), key
     assert steps[0]["n_initiating"] == single_steps[0]["n_initiating"] > 0
