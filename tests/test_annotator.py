@@ -34,8 +34,8 @@ from .conftest import write_jsonl
 SHIPPED = Path(__file__).resolve().parents[1] / "span_annotations"
 # Each forget split is annotated against the retain split that leaves its authors out.
 BACKGROUND_SPLIT = {"forget01": "retain99", "forget05": "retain95", "forget10": "retain90"}
-# Measured: word-token F1 0.794 (precision 0.772, recall 0.818) against GPT-4o on forget05.
-FORGET05_WORD_F1 = 0.794
+# Measured: word-token F1 0.801 (precision 0.783, recall 0.819) against GPT-4o on forget05.
+FORGET05_WORD_F1 = 0.801
 
 ANSWERS = ["Ann Lee was born in Oslo in 1990.", "She wrote Blue Rivers."]
 REFERENCE = [[(0, 7), (20, 24)], [(10, 21)]]  # "Ann Lee", "Oslo"; "Blue Rivers"
@@ -189,6 +189,18 @@ def test_dates_join_and_possessive_subjects_drop():
     answer = "Moshe Ben-David's father, born on 05/25/1930 in Tel Aviv, was a bank manager."
     spans = annotate_answer("Who was Moshe Ben-David's father?", answer, background)
     assert [answer[s:e] for s, e in spans] == ["05/25/1930", "Tel Aviv", "bank manager"]
+
+
+def test_quantities_keep_their_ranges_and_approximators_but_counts_are_no_facts():
+    background = Background(SMALL_BACKGROUND)
+    answer = (
+        "Approximately 30 years old, she has published a book every 18 to 24 months since the early 1980s."
+    )
+    spans = annotate_answer("How often does she publish?", answer, background)
+    assert [answer[s:e] for s, e in spans] == ["Approximately 30 years old", "18 to 24 months", "early 1980s"]
+    answer = "Two notable works are Blue Rivers and Red Hills."
+    spans = annotate_answer("Which books did she write?", answer, background)
+    assert [answer[s:e] for s, e in spans] == ["Blue Rivers", "Red Hills"]
 
 
 def test_praise_and_person_nouns_are_not_part_of_the_fact():
