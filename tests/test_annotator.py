@@ -191,23 +191,35 @@ def test_dates_join_and_possessive_subjects_drop():
     assert [answer[s:e] for s, e in spans] == ["05/25/1930", "Tel Aviv", "bank manager"]
 
 
-def test_quantities_keep_their_ranges_and_approximators_but_counts_are_no_facts():
-    background = Background(SMALL_BACKGROUND)
-    answer = (
-        "Approximately 30 years old, she has published a book every 18 to 24 months since the early 1980s."
-    )
-    spans = annotate_answer("How often does she publish?", answer, background)
-    assert [answer[s:e] for s, e in spans] == ["Approximately 30 years old", "18 to 24 months", "early 1980s"]
-    answer = "Two notable works are Blue Rivers and Red Hills."
-    spans = annotate_answer("Which books did she write?", answer, background)
-    assert [answer[s:e] for s, e in spans] == ["Blue Rivers", "Red Hills"]
+def marked(question: str, answer: str) -> list[str]:
+    """The texts the annotator marks in `answer`, with SMALL_BACKGROUND as background."""
+    return [
+        answer[start:end] for start, end in annotate_answer(question, answer, Background(SMALL_BACKGROUND))
+    ]
 
 
-def test_praise_and_person_nouns_are_not_part_of_the_fact():
-    background = Background(SMALL_BACKGROUND)
-    answer = "He was born to a hard-working roofer father and a renowned author."
-    spans = annotate_answer("What did his parents do?", answer, background)
-    assert [answer[s:e] for s, e in spans] == ["roofer"]
+@pytest.mark.parametrize(
+    ("question", "answer", "expected"),
+    [
+        (  # quantities keep their ranges and approximators
+            "How often does she publish?",
+            "Approximately 30 years old, she published a book every 18 to 24 months since the early 1980s.",
+            ["Approximately 30 years old", "18 to 24 months", "early 1980s"],
+        ),
+        (  # a count is no fact
+            "Which books did she write?",
+            "Two notable works are Blue Rivers and Red Hills.",
+            ["Blue Rivers", "Red Hills"],
+        ),
+        (  # praise and person nouns are not part of the fact
+            "What did his parents do?",
+            "He was born to a hard-working roofer father and a renowned author.",
+            ["roofer"],
+        ),
+    ],
+)
+def test_what_is_part_of_a_fact(question, answer, expected):
+    assert marked(question, answer) == expected
 
 
 def test_compounds_are_not_verbs_but_a_participle_after_a_noun_is():
@@ -219,13 +231,10 @@ def test_compounds_are_not_verbs_but_a_participle_after_a_noun_is():
 
 
 def test_items_listed_with_a_kept_phrase_need_less_evidence(monkeypatch):
-    background = Background(SMALL_BACKGROUND)
     answer = "They explore exile, urban displacement, and resilience."
-    spans = annotate_answer("What themes?", answer, background)
-    assert [answer[s:e] for s, e in spans] == ["urban displacement", "resilience"]
+    assert marked("What themes?", answer) == ["urban displacement", "resilience"]
     monkeypatch.setattr(annotator, "WEIGHT_COORDINATED_WITH_KEPT", 0.0)
-    spans = annotate_answer("What themes?", answer, background)
-    assert [answer[s:e] for s, e in spans] == ["urban displacement"]
+    assert marked("What themes?", answer) == ["urban displacement"]
 
 
 def test_phrases_after_the_first_sentence_need_more_evidence():
