@@ -20,7 +20,7 @@ GPUS ?=
 LR ?= 1e-5
 LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS
-RECIPE = $(PY) -m palu_trainer.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 
 # make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
 DATA ?= synthetic
@@ -35,25 +35,25 @@ test:
 	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests
 
 lint:
-	$(PY) -m ruff check src tests scripts benchmarks
-	$(PY) -m ruff format --check src tests scripts benchmarks
+	$(PY) -m ruff check src tests scripts perf
+	$(PY) -m ruff format --check src tests scripts perf
 
 format:
-	$(PY) -m ruff check --fix src tests scripts benchmarks
-	$(PY) -m ruff format src tests scripts benchmarks
+	$(PY) -m ruff check --fix src tests scripts perf
+	$(PY) -m ruff format src tests scripts perf
 
 bench:
-	$(PY) benchmarks/bench.py --out results/bench.json
+	$(PY) perf/bench.py --out results/bench.json
 
 demo:
-	$(PY) -m palu_trainer.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
+	$(PY) -m palu_trainer.experiments.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
 		$(if $(JOBS),--jobs $(JOBS)) $(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
 
 compare:
-	$(RECIPE) --kl-weight $(LAMBDA) --methods NPO SimNPO PALU --report results/compare_forget$(FORGET)_$(MODEL)
+	$(RECIPE) --kl-weight $(LAMBDA) --methods side-by-side --report results/compare_forget$(FORGET)_$(MODEL)
 
 # The paper's grid for PALU: lr x lambda.
 tofu-sweep:

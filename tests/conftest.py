@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from palu_trainer.tiny import save_tiny_model, train_bpe_tokenizer
+from palu_trainer.experiments.tiny import save_tiny_model, train_bpe_tokenizer
 
 TAG_TEMPLATE = {
     "apply_chat_template": False,

@@ -6,6 +6,6 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 class PALUSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from palu_trainer.framework import CONFIG_DIR
+        from palu_trainer.framework.checkout import CONFIG_DIR
 
         search_path.append(provider="palu-trainer", path=f"file://{CONFIG_DIR}")

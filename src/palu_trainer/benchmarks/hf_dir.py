@@ -1,0 +1,41 @@
+"""Local Hugging Face dataset folders: JSON lines files plus the hub README whose YAML lists the `configs`.
+
+`load_dataset(folder, name=config)` reads such a folder as it reads the hub repository; TOFU's local
+mirrors (`TOFU_DIR`) and this project's generated benchmarks are all in this layout.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: Sequence[dict], keys: Sequence[str]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps({key: row[key] for key in keys}, ensure_ascii=False) + "\n")
+
+
+def write_readme(directory: Path, config_names: Sequence[str], description: str) -> None:
+    """The Hugging Face README header that makes `load_dataset(directory, name=...)` work."""
+    header = {"configs": [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]}
+    header["configs"][0]["default"] = True
+    text = "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n\n" + description + "\n"
+    (directory / "README.md").write_text(text, encoding="utf-8")
+
+
+def read_configs(directory: Path) -> set[str]:
+    """Config names a local dataset folder offers, from its README's Hugging Face YAML header."""
+    readme = directory / "README.md"
+    if not readme.is_file():
+        raise FileNotFoundError(
+            f"{readme} not found: a local dataset mirror needs the hub README with its `configs`"
+        )
+    header = readme.read_text(encoding="utf-8").split("---")
+    configs = yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
+    return {config["config_name"] for config in configs}

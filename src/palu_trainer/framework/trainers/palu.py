@@ -1,0 +1,156 @@
+"""PALUTrainer: wires the pure PALU losses into open-unlearning's GradDiff family."""
+
+import logging
+
+import torch
+
+from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.method.losses import check_target, palu_forget_loss, reference_targets, resolve_top_k
+from palu_trainer.method.reference_cache import build_reference_cache, cache_dtype, describe
+from palu_trainer.method.roles import count_roles
+
+ensure_importable()
+from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
+LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
+
+
+class PALUTrainer(GradDiff):
+    """loss = gamma·(local + kl_weight·KL) + alpha·retain, with retain ∈ {NLL, KL, none}.
+
+    Args (method_args):
+        top_k: K, the reference's top-K vocabulary entries that the local loss flattens; capped at |V|.
+        target: c of the local loss: global_mean, topk_mean, ref_mean or uniform.
+        kl_weight: λ, the weight of the KL term on common tokens.
+        reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
+            the first step the policy, whose weights are still the reference, runs once over the forget
+            set and PALU's reference targets are kept per row on host memory; no reference model exists.
+        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached probabilities.
+
+    Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
+    policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
+    """
+
+    def __init__(
+        self,
+        top_k=5000,
+        target="global_mean",
+        kl_weight=1.0,
+        reference_cache="auto",
+        reference_cache_dtype="float32",
+        *args,
+        **kwargs,
+    ):
+        if "num_initiating_tokens" in kwargs:
+            raise ValueError(
+                "num_initiating_tokens (N) belongs to the forget dataset, which fixes token roles: set it "
+                "with the experiment's top-level `num_initiating_tokens=N`, not trainer.method_args"
+            )
+        super().__init__(*args, **kwargs)
+        if self.retain_loss_type not in RETAIN_LOSS_TYPES:
+            raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
+        self.target = check_target(target)
+        self.kl_weight = kl_weight
+        self.top_k = resolve_top_k(top_k, self.model.config.vocab_size)
+        self._check_forget_batches()
+        self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
+        self.uses_reference_cache = self._cache_wanted(reference_cache)
+        self.reference_cache = None
+        if not self.uses_reference_cache and self.ref_model is None:
+            self.ref_model = self._prepare_ref_model(self.model)
+        self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
+        self._term_batches = 0
+
+    def _check_forget_batches(self):
+        forget = getattr(self.train_dataset, "forget", None)
+        if forget is None or len(forget) == 0:
+            return
+        if "token_roles" not in self.data_collator([forget[0]]):
+            raise ValueError(
+                "PALU needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
+                "forget set and the DataCollatorWithTokenRoles collator (experiment=unlearn/tofu/palu does)"
+            )
+
+    def _cache_wanted(self, reference_cache) -> bool:
+        if reference_cache not in ("auto", True, False):
+            raise ValueError(f"reference_cache={reference_cache!r}; choose auto, true or false")
+        if reference_cache and self.retain_loss_type == "KL":
+            logger.info(
+                "retain_loss_type=KL reads the reference on retain rows: reference model kept, no cache"
+            )
+            return False
+        return bool(reference_cache)
+
+    def _build_reference_cache(self, model):
+        if self.state.global_step > 0:
+            raise RuntimeError(
+                f"the reference cache must come from the weights before unlearning, but training is at step "
+                f"{self.state.global_step} (resumed from a checkpoint?): resume with reference_cache=false"
+            )
+        forget = self.train_dataset.forget
+        size = self.args.per_device_train_batch_size
+        batches = (
+            self._prepare_inputs(
+                self.data_collator([forget[i] for i in range(start, min(start + size, len(forget)))])
+            )
+            for start in range(0, len(forget), size)
+        )
+        was_training = model.training
+        model.eval()
+        cache = build_reference_cache(
+            lambda inputs: model(**inputs).logits, batches, self.top_k, self.reference_cache_dtype
+        )
+        model.train(was_training)
+        logger.info(describe(cache, self.top_k, self.reference_cache_dtype))
+        return cache
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        if self.uses_reference_cache and self.reference_cache is None:
+            self.reference_cache = self._build_reference_cache(model)
+        forget = inputs["forget"]
+        forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
+        forget_outputs = model(**forward_inputs)
+        logits, roles = forget_outputs.logits, forget["token_roles"]
+        if self.uses_reference_cache:
+            reference = self.reference_cache.targets(forget["index"], roles, logits.device)
+        else:
+            with torch.no_grad():
+                reference_logits = self.ref_model(**forward_inputs).logits
+            reference = reference_targets(reference_logits, roles, self.top_k)
+        local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
+
+        if self.retain_loss_type == "none":
+            retain_loss = torch.zeros((), device=local_loss.device)
+        else:
+            retain = inputs["retain"]
+            retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
+            retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
+
+        loss = self.gamma * (local_loss + self.kl_weight * kl_loss) + self.alpha * retain_loss
+        self._record_terms(local_loss, kl_loss, retain_loss, roles)
+        return (loss, forget_outputs) if return_outputs else loss
+
+    def _record_terms(self, local_loss, kl_loss, retain_loss, roles):
+        counts = count_roles(roles)
+        values = [float(term.detach()) for term in (local_loss, kl_loss, retain_loss)] + [
+            counts[key] for key in LOGGED_TERMS[3:]
+        ]
+        self._term_sums += torch.tensor(values, dtype=torch.float64)
+        self._term_batches += 1
+
+    def log(self, logs):
+        """Add the mean of each PALU term since the last training log; token counts are per global batch."""
+        if "loss" in logs and self._term_batches:
+            totals = torch.cat([self._term_sums, torch.tensor([self._term_batches], dtype=torch.float64)])
+            if self.accelerator.num_processes > 1:
+                totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
+            steps = totals[-1] / (self.accelerator.num_processes * self.args.gradient_accumulation_steps)
+            means = totals[:-1] / totals[-1]
+            means[3:] = totals[3:-1] / steps  # counts: per optimizer step, over all ranks and micro-batches
+            logs = {**logs, **{name: round(float(value), 4) for name, value in zip(LOGGED_TERMS, means)}}
+            self._term_sums.zero_()
+            self._term_batches = 0
+        super().log(logs)

@@ -1,0 +1,1 @@
+"""PALU's method as pure functions and small data classes: torch only, never open-unlearning."""

@@ -1,0 +1,436 @@
+"""Mark the sensitive spans of QA answers without a model: names, titles, places, dates and specific phrases.
+
+The method is deterministic and offline:
+
+1. An answer that only says that nothing is known ("There is no publicly available information…") gets no
+   span: it has nothing to forget.
+2. Quoted titles are spans, and so are numbers and runs of capitalised words (a capital that does not start a
+   sentence, or starts one on a word the background corpus capitalises), joined through the small words of
+   names ("University of Karachi", "Dr. Josh Axe") and of quantities ("05/25/1930", "18 to 24",
+   "approximately 30", "early 1980s"). Spelled-out counts and vague determiners ("two", "specific") are
+   function words.
+3. What the question already names is context, not a fact the answer reveals: a name whose words all occur in
+   the question is no span when it ends its phrase or is possessive (the subject, "Hina Ameen's"); followed
+   by lowercase words it is a modifier and stays ("Canadian literature").
+4. Lowercase phrases are the runs of words between function words, verbs and adverbs. Whether a word acts as
+   a verb is read from the background corpus: how often it follows a subject or an auxiliary, or precedes a
+   determiner, against how often it follows a determiner or ends a phrase. A phrase is kept when its evidence
+   reaches `PHRASE_THRESHOLD`: more words, a rarer word (document frequency in the background corpus), a
+   preceding preposition, a list position, ending a clause and being what a copula says the subject is ("was
+   a radiologist") count for it; a possessor before it ("her career"), an "of" after it ("the field of") and
+   a place after the first sentence (which answers the question; later ones elaborate) count against it.
+   A phrase listed with a kept one ("identity, displacement, and resilience") needs less evidence, and
+   evaluative adjectives that open a phrase and person nouns that close it are left out ("respected
+   surgeon" and "surgeon father" reveal "surgeon").
+
+The background corpus only gives word statistics. Use rows about other subjects (for TOFU, the retain split)
+so that the facts to forget stay rare in it.
+"""
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from palu_trainer.spans.format import Span, merge_spans
+
+TOKEN_PATTERN = re.compile(r"\w+(?:\.\w+)+\.?|\w+(?:['’&+-]\w+)*\+?|\S")
+QUOTE_PATTERN = re.compile(r'"([^"]+)"|“([^”]+)”|(?<!\w)[\'‘]([^\n]+?)[\'’](?!\w)')
+# "Karachi's"; the apostrophe of "Williams' books" is a token of its own and marks a possessor too.
+POSSESSIVE_ENDINGS = ("'s", "’s", "'", "’")
+POSSESSIVE = re.compile(r"['’]s?$")
+FUNCTION_WORDS = frozenset(
+    """a an the and or but nor of in on at to for from by with about into onto over under as than then so such
+    that this these those which who whom whose what when where why how there here it its he she they them his
+    her hers their theirs him i we you our your my me us one ones is are was were be been being am has have
+    had having do does did will would can could may might shall should must not no yes also often very too
+    just only even both either neither each every all any some many much more most several various other
+    another own same up out off while although though because since if whether until unless upon within
+    without through throughout despite due during before after between among across against toward towards
+    via per s thereby thus hence however therefore two three four five six seven eight nine ten first second
+    third specific exact particular certain""".split()
+)
+POSSESSIVE_DETERMINERS = frozenset("his her their its my our your".split())
+# Praise and intensity qualify a fact without being part of it: "respected surgeon" reveals "surgeon".
+EVALUATIVE_ADJECTIVES = frozenset(
+    """renowned acclaimed celebrated esteemed respected revered distinguished prominent notable illustrious
+    famous famed well-known popular brilliant keen sharp wise hard-working dedicated talented skilled prolific
+    tremendous immense considerable significant great unique distinctive remarkable incisive deep deeper
+    profound vivid exceptional influential beloved award-winning prestigious important key major
+    visceral""".split()
+)
+DETERMINERS = POSSESSIVE_DETERMINERS | frozenset("the a an this these those".split())
+# A verb follows a subject or an auxiliary; a noun or an adjective follows these.
+VERB_CONTEXT = frozenset(
+    """he she they it who which has have had was were is are be been being to will would can could may might
+    also often not further did does do""".split()
+)
+NOUN_CONTEXT = DETERMINERS | frozenset("such many several various of with on about some any each".split())
+CLAUSE_OPENERS = DETERMINERS | frozenset("to all from with in into on by".split())
+PHRASE_ENDINGS = frozenset(". , ; ! ? ) of and".split())
+# A span names the fact, not the person it describes: "lawyer father" reveals "lawyer".
+PERSON_NOUNS = frozenset(
+    """author authors writer writers novelist poet father mother parents individual person people man
+    woman""".split()
+)
+# Small words inside names and titles, and the separators of dates and ranges.
+NAME_JOINERS = frozenset("of for in the & de der del da di du la le von van al el bin ibn . -".split())
+NUMBER_JOINERS = frozenset("/ - . to".split())  # "05/25/1930", "18 to 24"
+# How exact a quantity is belongs to the fact: "approximately 30 years", "early 1980s".
+APPROXIMATORS = frozenset(
+    "approximately around about nearly almost roughly over under early late mid".split()
+)
+TITLE_ABBREVIATIONS = frozenset("dr mr mrs ms st jr sr prof".split())
+COPULAS = frozenset("is are was were became becomes".split())
+PREPOSITIONS = frozenset("of for with in on about into through".split())
+NO_INFORMATION = re.compile(
+    r"\b(?:no(?!,)|not|n't|never|un(?:disclosed|available|specified|confirmed|documented))\b.{0,60}?"
+    r"\b(?:information|details?|records?|known|available|disclosed|documented|confirmed|specified|public(?:ly)?)\b",
+    re.IGNORECASE,
+)
+# A no-information sentence that goes on to state something ("…, but his first work appeared when…",
+# "…; she has always written under her birth name").
+CONTRAST = re.compile(
+    r"\b(?:but|however|although|though|while|yet|likely|suggests?|inferred)\b|(?:;|,|\bas)\s+(?:she|he|they|it)\b",
+    re.IGNORECASE,
+)
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+# Evidence that a lowercase phrase states a fact to forget. The weights were set by measuring word-token F1
+# against GPT-4o spans on TOFU forget05 (README, "Span annotations"); F1 stays within 0.776-0.801 for
+# thresholds from 2.25 to 3.25.
+PHRASE_THRESHOLD = 2.75
+WEIGHT_PER_WORD = 0.8  # for up to three words
+WEIGHT_SPECIFICITY = 0.3  # per decade of rarity of the phrase's rarest word
+WEIGHT_AFTER_POSSESSOR = -1.0
+WEIGHT_AFTER_PREPOSITION = 1.0
+WEIGHT_LIST_ITEM = 0.5
+WEIGHT_BEFORE_OF = -0.3
+WEIGHT_PREDICATE = 0.5
+WEIGHT_ENDS_CLAUSE = 1.0
+WEIGHT_AFTER_FIRST_SENTENCE = -0.5  # the first sentence answers the question, later ones elaborate
+WEIGHT_COORDINATED_WITH_KEPT = 0.5  # items of one list ("identity, displacement, and resilience") go together
+# A word is a verb above this share of verb contexts; words with fewer contexts are judged by their ending.
+VERB_THRESHOLD = 0.6
+MIN_VERB_CONTEXTS = 2
+
+# Token kinds.
+QUOTED, PUNCTUATION, NUMBER, NAME, FUNCTION, VERB, CONTENT, JOINER = "QPNEFVCJ"
+PHRASE_KINDS = frozenset((NUMBER, NAME, CONTENT, JOINER))
+
+
+@dataclass(frozen=True)
+class Token:
+    start: int
+    end: int
+    text: str
+
+    @property
+    def is_word(self) -> bool:
+        return self.text[0].isalnum() or self.text[0] == "_"
+
+    @property
+    def stem(self) -> str:
+        """Lowercase, without a possessive ending."""
+        return POSSESSIVE.sub("", self.text.lower())
+
+    @property
+    def end_without_possessive(self) -> int:
+        """Where the word ends without a possessive ending: the end of "Karachi" in "Karachi's"."""
+        return self.start + len(POSSESSIVE.sub("", self.text))
+
+    @property
+    def is_possessive(self) -> bool:
+        return self.text.endswith(POSSESSIVE_ENDINGS)
+
+
+def tokenize(text: str) -> list[Token]:
+    return [Token(match.start(), match.end(), match.group()) for match in TOKEN_PATTERN.finditer(text)]
+
+
+class Background:
+    """Word statistics of a background corpus: document frequency, capitalisation and verb contexts."""
+
+    def __init__(self, texts: Iterable[str]):
+        self.documents = 0
+        self.document_frequency = Counter()
+        self.lowercase_uses = Counter()
+        self.capitalised_mid_sentence = Counter()
+        self.verb_contexts = Counter()
+        self.noun_contexts = Counter()
+        for text in texts:
+            self.documents += 1
+            tokens = tokenize(text)
+            self.document_frequency.update({token.stem for token in tokens if token.is_word})
+            for position, token in enumerate(tokens):
+                if token.is_word:
+                    previous = tokens[position - 1].text.lower() if position else "."
+                    following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
+                    self._count(token, previous, following)
+
+    def _count(self, token: Token, previous: str, following: str):
+        stem = token.stem
+        if previous not in ".!?:\"“'":
+            if token.text[0].islower():
+                self.lowercase_uses[stem] += 1
+            elif token.text[0].isupper():
+                self.capitalised_mid_sentence[stem] += 1
+        self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
+        self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
+
+    def specificity(self, stem: str) -> float:
+        """Decades of rarity: -log10 of the share of background documents that contain the word."""
+        return -math.log10((self.document_frequency[stem] + 1) / (self.documents + 1))
+
+    def is_name(self, stem: str) -> bool:
+        """Not written in lowercase more often than capitalised mid-sentence; true for unseen words."""
+        return self.lowercase_uses[stem] <= self.capitalised_mid_sentence[stem]
+
+    def verb_likelihood(self, stem: str) -> float:
+        """Share of the word's contexts that are a verb's; for rare words, 0.9 for "-ed" and 0.5 otherwise."""
+        verb, noun = self.verb_contexts[stem], self.noun_contexts[stem]
+        if verb + noun < MIN_VERB_CONTEXTS:
+            return 0.9 if stem.endswith("ed") else 0.5
+        return (verb + 0.5) / (verb + noun + 1)
+
+
+def is_no_information(answer: str) -> bool:
+    """True when every sentence says that nothing is known and none goes on to state something."""
+    sentences = SENTENCE_END.split(answer.strip())
+    return all(NO_INFORMATION.search(sentence) and not CONTRAST.search(sentence) for sentence in sentences)
+
+
+def quoted_spans(answer: str) -> list[Span]:
+    """Quoted titles, without the quotes or the punctuation inside them ('"The Town That Drowned."')."""
+    spans = []
+    for match in QUOTE_PATTERN.finditer(answer):
+        start, end = match.start(match.lastindex), match.end(match.lastindex)
+        while end > start and answer[end - 1] in ".,;:!? ":
+            end -= 1
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+def is_sentence_start(tokens: Sequence[Token], position: int) -> bool:
+    if position == 0 or tokens[position - 1].text in "!?":
+        return True
+    before_stop = tokens[position - 2] if position >= 2 else None
+    after_abbreviation = (
+        before_stop is not None
+        and before_stop.is_word
+        and (len(before_stop.text) == 1 or before_stop.stem in TITLE_ABBREVIATIONS)
+    )
+    return tokens[position - 1].text == "." and not after_abbreviation
+
+
+def classify(tokens: Sequence[Token], quoted: Sequence[Span], background: Background) -> list[str]:
+    """The kind of every token, then the small words inside names and numbers marked as JOINER."""
+    kinds: list[str] = []
+    for position in range(len(tokens)):
+        kinds.append(_kind(tokens, position, kinds, quoted, background))
+    for position in range(len(tokens) - 1):
+        if kinds[position + 1] == NUMBER and tokens[position].stem in APPROXIMATORS:
+            kinds[position] = JOINER
+    for position in range(1, len(tokens) - 1):
+        neighbours = kinds[position - 1], kinds[position + 1]
+        word = tokens[position].text.lower()
+        in_name = neighbours == (NAME, NAME) and word in NAME_JOINERS
+        in_number = neighbours == (NUMBER, NUMBER) and word in NUMBER_JOINERS
+        if (in_name and not (word == "." and is_sentence_start(tokens, position + 1))) or in_number:
+            kinds[position] = JOINER
+    return kinds
+
+
+def _kind(tokens, position, earlier_kinds, quoted, background) -> str:
+    token = tokens[position]
+    if any(start <= token.start < end for start, end in quoted):
+        return QUOTED
+    if not token.is_word:
+        return PUNCTUATION
+    if token.text[0].isdigit():
+        return NUMBER
+    stem = token.stem
+    if token.text[0].isupper() and (
+        not is_sentence_start(tokens, position) or (stem not in FUNCTION_WORDS and background.is_name(stem))
+    ):
+        return NAME
+    if stem in FUNCTION_WORDS or token.is_possessive:  # a possessor: "the author's name"
+        return FUNCTION
+    if "-" in stem:  # compounds ("film-related", "thought-provoking") are adjectives or nouns
+        return CONTENT
+    if stem.endswith("ly") and len(stem) > 4:  # adverbs go with the verb
+        return VERB
+    likelihood = background.verb_likelihood(stem)
+    previous_kind = earlier_kinds[-1] if position else PUNCTUATION
+    if previous_kind == NAME and not tokens[position - 1].is_possessive and likelihood > 0.3:
+        return VERB  # right after its subject: "Hina Ameen went", "Nikolai Abilov finds"
+    starts_phrase = previous_kind in (FUNCTION, PUNCTUATION, VERB)
+    after_determiner = position > 0 and tokens[position - 1].text.lower() in DETERMINERS
+    if stem.endswith("ing") and starts_phrase and not after_determiner and likelihood >= 0.5:
+        return VERB  # "promoting tolerance", not "the engaging storytelling"
+    following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
+    if stem.endswith("ing") and previous_kind == CONTENT and following in CLAUSE_OPENERS:
+        return VERB  # a participle after a noun opens a clause: "themes relating to", "platforms selling his"
+    return VERB if likelihood > VERB_THRESHOLD else CONTENT
+
+
+def phrase_evidence(tokens: Sequence[Token], phrase: Sequence[int], background: Background) -> float:
+    stems = [tokens[position].stem for position in phrase]
+    previous = tokens[phrase[0] - 1] if phrase[0] else None
+    following = tokens[phrase[-1] + 1].text.lower() if phrase[-1] + 1 < len(tokens) else "."
+    evidence = WEIGHT_PER_WORD * min(len(stems), 3)
+    evidence += WEIGHT_SPECIFICITY * max(background.specificity(stem) for stem in stems)
+    if previous is not None:
+        previous_word = previous.text.lower()
+        if previous_word in POSSESSIVE_DETERMINERS or previous.is_possessive:
+            evidence += WEIGHT_AFTER_POSSESSOR
+        if previous_word in PREPOSITIONS:
+            evidence += WEIGHT_AFTER_PREPOSITION
+        if previous_word in ("and", ",", "as"):
+            evidence += WEIGHT_LIST_ITEM
+    if _is_predicate(tokens, phrase[0]):
+        evidence += WEIGHT_PREDICATE
+    if following in ("of", "to", "as", "that"):
+        evidence += WEIGHT_BEFORE_OF
+    if following in (".", ",", "and", ";"):
+        evidence += WEIGHT_ENDS_CLAUSE
+    if any(
+        token.text in "!?." and is_sentence_start(tokens, position + 1)
+        for position, token in enumerate(tokens[: phrase[0]])
+    ):
+        evidence += WEIGHT_AFTER_FIRST_SENTENCE
+    return evidence
+
+
+def _is_predicate(tokens: Sequence[Token], start: int) -> bool:
+    """The phrase is what its sentence says the subject is: "her father was a radiologist"."""
+    before = [token.text.lower() for token in tokens[max(start - 2, 0) : start]]
+    if before and before[-1] in ("a", "an"):
+        before.pop()
+    return bool(before) and before[-1] in COPULAS
+
+
+def question_words(question: str) -> set[str]:
+    """Stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")."""
+    parts = {part.lower() for part in re.findall(r"\w+", question)}
+    return parts | {token.stem for token in tokenize(question)}
+
+
+def annotate_answer(question: str, answer: str, background: Background) -> list[Span]:
+    """Sensitive character spans `[start, end)` of one answer, sorted and disjoint."""
+    if is_no_information(answer):
+        return []
+    quoted = quoted_spans(answer)
+    tokens = tokenize(answer)
+    kinds = classify(tokens, quoted, background)
+    asked = question_words(question)
+    phrases = [phrase for run in _runs(kinds) for phrase in _phrases(tokens, kinds, run, asked)]
+    evidence = [
+        math.inf
+        if any(kinds[position] in (NAME, NUMBER) for position in phrase)
+        else phrase_evidence(tokens, phrase, background)
+        for phrase in phrases
+    ]
+    kept = [value >= PHRASE_THRESHOLD for value in evidence]
+    for group in _coordinated(tokens, phrases):
+        if any(kept[index] for index in group):
+            for index in group:
+                kept[index] |= evidence[index] + WEIGHT_COORDINATED_WITH_KEPT >= PHRASE_THRESHOLD
+    spans = list(quoted)
+    for phrase, keep in zip(phrases, kept):
+        bounds = _fact_bounds(tokens, kinds, phrase) if keep else None
+        if bounds is not None:
+            spans.append((tokens[bounds[0]].start, tokens[bounds[1]].end_without_possessive))
+    return merge_spans(spans)
+
+
+def _fact_bounds(
+    tokens: Sequence[Token], kinds: Sequence[str], phrase: Sequence[int]
+) -> tuple[int, int] | None:
+    """First and last position of the fact in a phrase, without opening praise or a closing person noun.
+
+    None when nothing else is left ("renowned author").
+    """
+    first, last = phrase[0], phrase[-1]
+    while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
+        first += 1
+    while first <= last and kinds[last] == CONTENT and tokens[last].stem in PERSON_NOUNS:
+        last -= 1
+    return (first, last) if first <= last else None
+
+
+def _coordinated(tokens: Sequence[Token], phrases: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of the phrases grouped by list: neighbours separated only by commas, "and" or "or"."""
+    groups: list[list[int]] = []
+    for index, phrase in enumerate(phrases):
+        if groups:
+            between = [token.text.lower() for token in tokens[phrases[index - 1][-1] + 1 : phrase[0]]]
+            if between and len(between) <= 2 and all(word in (",", "and", "or") for word in between):
+                groups[-1].append(index)
+                continue
+        groups.append([index])
+    return groups
+
+
+def _runs(kinds: Sequence[str]) -> list[list[int]]:
+    """Maximal runs of positions whose kind can be part of a phrase."""
+    runs: list[list[int]] = []
+    for position, kind in enumerate(kinds):
+        if kind not in PHRASE_KINDS:
+            continue
+        if runs and runs[-1][-1] == position - 1:
+            runs[-1].append(position)
+        else:
+            runs.append([position])
+    return runs
+
+
+def _phrases(tokens, kinds, run, asked) -> list[list[int]]:
+    """Split a run into names and lowercase words, drop the subject's name and the words qualifying a name.
+
+    A name whose words the question has is dropped when it ends the run or is possessive; lowercase words
+    right before a name qualify it ("prestigious Maple Leaf Literary Award") and are dropped. A possessive
+    ends its phrase ("University of Karachi's | Department of Geology").
+    """
+    parts: list[tuple[bool, list[int]]] = []
+    for position in run:
+        is_name = kinds[position] in (NAME, NUMBER, JOINER)
+        if parts and parts[-1][0] == is_name and not tokens[parts[-1][1][-1]].is_possessive:
+            parts[-1][1].append(position)
+        else:
+            parts.append((is_name, [position]))
+    phrases: list[list[int]] = []
+    for index, (is_name, positions) in enumerate(parts):
+        last = index == len(parts) - 1
+        if is_name:
+            named_in_question = all(
+                kinds[position] == JOINER or tokens[position].stem in asked for position in positions
+            )
+            if named_in_question and (last or tokens[positions[-1]].is_possessive):
+                continue
+        elif not last and parts[index + 1][0]:
+            continue
+        if phrases and phrases[-1][-1] + 1 == positions[0] and not tokens[phrases[-1][-1]].is_possessive:
+            phrases[-1].extend(positions)
+        else:
+            phrases.append(list(positions))
+    return phrases
+
+
+def annotate(
+    rows: Sequence[dict], background: Background, question_key: str = "question", answer_key: str = "answer"
+) -> list[list[Span]]:
+    """Spans for every row, in order."""
+    return [annotate_answer(row[question_key], row[answer_key], background) for row in rows]
+
+
+def load_qa_rows(dataset: str, name: str | None = None, split: str = "train") -> list[dict]:
+    """Rows of a Hugging Face dataset (hub id or local folder; `name`, `split`) or of a JSON (lines) file."""
+    from datasets import load_dataset  # heavy import, only for the commands that read datasets
+
+    if Path(dataset).is_file():
+        return list(load_dataset("json", data_files=dataset, split="train"))
+    return list(load_dataset(dataset, name=name, split=split))

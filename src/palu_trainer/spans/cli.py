@@ -1,0 +1,155 @@
+"""`palu-annotate`: make, check and compare span-annotation files."""
+
+import argparse
+import json
+
+from palu_trainer.spans.agreement import span_agreement, word_agreement
+from palu_trainer.spans.format import (
+    AnnotationError,
+    read_annotations,
+    validate_annotations,
+    write_annotations,
+)
+from palu_trainer.spans.tpo import import_tpo, read_tpo
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="palu-annotate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tpo = commands.add_parser("import-tpo", help="convert TPO-style span annotations (char offsets)")
+    tpo.add_argument("tpo_file", help="JSON lines with `answer` and `spans: [{start, end}]`")
+    tpo.add_argument("out_file", help="annotation file to write (span_annotations/ format)")
+
+    annotate = commands.add_parser("annotate", help="mark the sensitive spans of a QA dataset's answers")
+    _add_dataset_arguments(annotate, required=True)
+    annotate.add_argument(
+        "--background",
+        help="dataset giving word statistics, about other subjects (TOFU: the retain split); "
+        "default: the dataset itself",
+    )
+    annotate.add_argument("--background-name", help="configuration of the background dataset")
+    annotate.add_argument("--background-split", default="train")
+    annotate.add_argument("--out", required=True, help="annotation file to write")
+
+    score = commands.add_parser(
+        "score", help="word-token and exact-span precision/recall/F1 of a candidate file against a reference"
+    )
+    score.add_argument("--reference", required=True, help="TPO-style file or annotation file")
+    score.add_argument("candidate", help="TPO-style file or annotation file")
+    _add_dataset_arguments(score, required=False)
+
+    validate = commands.add_parser("validate", help="check an annotation file against its dataset")
+    _add_dataset_arguments(validate, required=True)
+    validate.add_argument("file", help="annotation file")
+
+    args = parser.parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except AnnotationError as error:
+        parser.exit(1, f"palu-annotate {args.command}: {error}\n")
+
+
+def _add_dataset_arguments(parser, required: bool):
+    parser.add_argument(
+        "--dataset",
+        required=required,
+        help="Hugging Face dataset id, local dataset folder, or JSON (lines) file with question/answer rows",
+    )
+    parser.add_argument("--name", help="dataset configuration, e.g. forget05")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--question-key", default="question")
+    parser.add_argument("--answer-key", default="answer")
+
+
+def _run_import_tpo(args):
+    rows = import_tpo(args.tpo_file, args.out_file)
+    print(f"wrote {rows} rows to {args.out_file}")
+
+
+def _run_annotate(args):
+    from palu_trainer.spans.annotator import Background, annotate
+
+    rows = _dataset_rows(args)
+    background_rows = rows
+    if args.background:
+        background_rows = _load_rows(args.background, args.background_name, args.background_split)
+    background = Background(f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows)
+    spans = annotate(rows, background, args.question_key, args.answer_key)
+    write_annotations(args.out, [row[args.answer_key] for row in rows], spans)
+    empty = sum(not row_spans for row_spans in spans)
+    print(f"wrote {len(rows)} rows ({empty} without spans) to {args.out}")
+
+
+def _run_score(args):
+    dataset_answers = _dataset_answers(args) if args.dataset else None
+    tpo_answers = [_read_tpo_or_none(path) for path in (args.reference, args.candidate)]
+    answers = dataset_answers or next((found[0] for found in tpo_answers if found), None)
+    if answers is None:
+        raise AnnotationError(
+            "neither file has the answers (TPO format): pass --dataset to define the answers' words"
+        )
+    reference, candidate = (
+        _spans_for(path, found, answers) for path, found in zip((args.reference, args.candidate), tpo_answers)
+    )
+    span_counts = f"{sum(map(len, reference))} reference and {sum(map(len, candidate))} candidate spans"
+    print(f"{len(answers)} rows, {span_counts}")
+    print(f"word tokens  {word_agreement(answers, reference, candidate)}")
+    print(f"exact spans  {span_agreement(reference, candidate)}")
+
+
+def _run_validate(args):
+    answers = _dataset_answers(args)
+    validate_annotations(read_annotations(args.file), answers, source=args.file)
+    print(f"{args.file}: {len(answers)} rows match the dataset")
+
+
+COMMANDS = {
+    "import-tpo": _run_import_tpo,
+    "annotate": _run_annotate,
+    "score": _run_score,
+    "validate": _run_validate,
+}
+
+
+def _load_rows(dataset, name, split) -> list[dict]:
+    from datasets.utils.logging import disable_progress_bar
+
+    from palu_trainer.spans.annotator import load_qa_rows
+
+    disable_progress_bar()  # stderr is for errors
+    return load_qa_rows(dataset, name, split)
+
+
+def _dataset_rows(args) -> list[dict]:
+    rows = _load_rows(args.dataset, args.name, args.split)
+    missing = {args.question_key, args.answer_key} - set(rows[0] if rows else {})
+    if missing:
+        raise AnnotationError(
+            f"{args.dataset}: rows have no {sorted(missing)}; name the keys with --question-key/--answer-key"
+        )
+    return rows
+
+
+def _dataset_answers(args) -> list[str]:
+    return [row[args.answer_key] for row in _dataset_rows(args)]
+
+
+def _read_tpo_or_none(path) -> tuple[list[str], list] | None:
+    """The file's answers and spans when it is TPO-style (rows carry the answer), else None."""
+    with open(path, encoding="utf-8") as handle:
+        first = next((line for line in handle if line.strip()), "{}")
+    return read_tpo(path) if "answer" in json.loads(first) else None
+
+
+def _spans_for(path, tpo, answers):
+    """A file's spans, checked against the answers: fingerprints for an annotation file, text for TPO."""
+    if tpo is None:
+        return validate_annotations(read_annotations(path), answers, source=str(path))
+    tpo_answers, spans = tpo
+    if len(tpo_answers) != len(answers):
+        raise AnnotationError(f"{path}: {len(tpo_answers)} rows but {len(answers)} answers to score on")
+    for position, (own, expected) in enumerate(zip(tpo_answers, answers)):
+        if own != expected:
+            raise AnnotationError(f"{path} row {position}: the answer differs from the one to score on")
+    return spans

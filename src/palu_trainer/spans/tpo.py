@@ -1,0 +1,31 @@
+"""Import TPO-style span annotations (rows carry `answer` and char `spans` with `start`/`end`)."""
+
+import json
+from pathlib import Path
+
+from palu_trainer.spans.format import AnnotationError, Span, merge_spans, write_annotations
+
+
+def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
+    """Answers and spans of a TPO-style file (`answer` and `spans` with `start`/`end`), spans merged."""
+    answers, spans = [], []
+    with open(tpo_path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "answer" not in row or "spans" not in row:
+                raise AnnotationError(f"{tpo_path} line {line_number}: TPO rows need 'answer' and 'spans'")
+            answers.append(row["answer"])
+            spans.append(merge_spans((span["start"], span["end"]) for span in row["spans"]))
+    return answers, spans
+
+
+def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
+    """Convert TPO-style annotations to this format; overlapping or touching spans are merged.
+
+    Returns the number of rows written.
+    """
+    answers, spans = read_tpo(tpo_path)
+    write_annotations(out_path, answers, spans)
+    return len(answers)

@@ -1,0 +1,77 @@
+"""The method table is the only list: a new entry reaches the demo, the recipe and the bench."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.experiments import demo, methods, recipe
+from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def with_grad_ascent(monkeypatch):
+    monkeypatch.setitem(METHODS, "GradAscent", Method("GradAscent"))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "perf" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_demo_runs_a_new_table_entry(with_grad_ascent, tmp_path):
+    assert side_by_side_methods() == ("GradDiff", "NPO", "SimNPO", "PALU", "GradAscent")
+    benchmark = TofuBenchmark(tmp_path, "forget10", "retain90", "holdout10", tmp_path / "s.jsonl", 32, "")
+    runner = demo.Demo(benchmark, demo.SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
+    command = runner.unlearn_overrides(
+        "GradAscent", 1e-3, tmp_path / "original", tmp_path / "GradAscent_lr0.001"
+    )
+    assert "experiment=unlearn/tofu/default" in command and "trainer=GradAscent" in command
+    assert not any(part.startswith("span_annotations=") for part in command)
+    palu = runner.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU_lr0.001")
+    assert "experiment=unlearn/tofu/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
+
+
+def test_recipe_plans_a_new_table_entry(with_grad_ascent, capsys):
+    recipe.main(["--methods", "side-by-side", "--dry-run", "--gpus", "1"])
+    unlearn_lines = [line for line in capsys.readouterr().out.splitlines() if "unlearn.yaml" in line]
+    assert [line.split(" trainer=")[1].split()[0] for line in unlearn_lines] == list(side_by_side_methods())
+    assert "trainer.method_args.kl_weight=1.0" in unlearn_lines[-2] and "kl_weight" not in unlearn_lines[-1]
+
+
+def test_bench_times_a_new_table_entry(with_grad_ascent, tmp_path):
+    out = tmp_path / "bench.json"
+    tiny = [
+        "--vocab-size",
+        "96",
+        "--hidden-size",
+        "32",
+        "--layers",
+        "1",
+        "--batch-size",
+        "2",
+        "--length",
+        "40",
+    ]
+    load_bench().main(
+        [*tiny, "--steps", "3", "--warmup", "1", "--top-k", "8", "--no-k-sweep", "--out", str(out)]
+    )
+    timed = json.loads(out.read_text())["methods"]
+    expected = ["GradDiff", "NPO", "SimNPO", "PALU, reference model", "PALU, reference cache", "GradAscent"]
+    assert list(timed) == expected
+    assert all(result["step_s"] > 0 and result["steps_timed"] == 2 for result in timed.values())
+    assert timed["PALU, reference cache"]["host_cache_bytes"] > 0 == timed["GradAscent"]["host_cache_bytes"]
+
+
+def test_only_the_table_names_methods():
+    """demo, recipe and bench hold no method list of their own."""
+    for module in (demo, recipe, methods):
+        assert not hasattr(module, "ALL_METHODS") and not hasattr(module, "EXPERIMENTS")
+    bench_source = (ROOT / "perf" / "bench.py").read_text()
+    assert '"NPO": (' not in bench_source and "METHODS = {" not in bench_source

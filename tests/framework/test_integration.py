@@ -1,0 +1,99 @@
+"""palu-train runs open-unlearning's own train.py, for PALU and for a stock baseline."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from palu_trainer.spans.tpo import import_tpo
+
+from ..conftest import make_tofu_mirror, read_jsonl
+
+PALU_TRAIN = Path(sys.executable).parent / "palu-train"
+QUICK_RUN = [
+    "--config-name=unlearn.yaml",
+    "+runtime=cpu",
+    "model=tiny-llama",
+    "forget_split=forget01",
+    "retain_split=retain99",
+    "holdout_split=holdout01",
+    "+trainer.args.max_steps=4",
+    "trainer.args.per_device_train_batch_size=4",
+    "trainer.args.gradient_accumulation_steps=1",
+    "trainer.args.logging_steps=1",
+    "trainer.args.learning_rate=1e-3",
+    "trainer.args.do_eval=false",
+    "trainer.args.eval_on_start=false",
+    "trainer.args.eval_strategy=no",
+    "trainer.args.report_to=none",
+]
+
+
+@pytest.fixture(scope="module")
+def tofu_mirror(tmp_path_factory, tofu_dir):
+    """The shared TOFU files plus a `holdout01` config, which the stock eval config names.
+
+    TOFU's hub holdout splits are not in ../shared; these runs do not evaluate, so any 40 rows do.
+    """
+    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
+    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})
+
+
+def palu_train(overrides, tofu_mirror, model_dir, out_dir):
+    env = {**os.environ, "TOFU_DIR": str(tofu_mirror)}
+    command = [str(PALU_TRAIN), *QUICK_RUN, f"paths.output_dir={out_dir}", *overrides]
+    command += [
+        f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads((out_dir / "trainer_state.json").read_text())[
+        "log_history"
+    ], result.stdout + result.stderr
+
+
+def changed_tensors(model_dir, out_dir):
+    before, after = load_file(model_dir / "model.safetensors"), load_file(out_dir / "model.safetensors")
+    return [name for name in before if not before[name].equal(after[name])]
+
+
+def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirror, shared_dir):
+    annotations = tmp_path / "forget01.jsonl"
+    import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", annotations)
+    out = tmp_path / "palu"
+    history, output = palu_train(
+        ["experiment=unlearn/tofu/palu", "task_name=palu_it", f"span_annotations={annotations}"],
+        tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    steps = [entry for entry in history if "local_loss" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2, 3, 4]
+    for entry in steps:
+        assert all(math.isfinite(entry[key]) for key in ("loss", "local_loss", "kl_loss", "retain_loss"))
+        assert entry["local_loss"] > 0 and entry["retain_loss"] > 0
+        assert entry["n_initiating"] > 0 and entry["n_common"] > 0 and entry["n_redundant"] >= 0
+    # The first step's model is the reference: KL on common tokens is zero, then grows.
+    assert steps[0]["kl_loss"] == 0.0 and steps[-1]["kl_loss"] > 0
+    assert "top_k=5000 exceeds the vocabulary" in output  # the tiny vocabulary caps K
+    assert "local dataset mirror: data.forget.TOFU_QA_forget_spans" in output
+    assert len(changed_tensors(tiny_model_dir, out)) > 10
+    print("PALU log lines:", *steps, sep="\n")
+
+
+def test_npo_through_the_same_entry_point(tmp_path, tiny_model_dir, tofu_mirror):
+    out = tmp_path / "npo"
+    history, _ = palu_train(
+        ["experiment=unlearn/tofu/default", "trainer=NPO", "task_name=npo_it"],
+        tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    assert len(changed_tensors(tiny_model_dir, out)) > 10

@@ -1,0 +1,69 @@
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from palu_trainer.benchmarks.hf_dir import read_configs
+from palu_trainer.framework.checkout import checkout_dir
+from palu_trainer.framework.plugin import dataset_loads, redirect_to_local_mirrors, register
+
+
+def compose_unlearn(overrides):
+    register()
+    with initialize_config_dir(config_dir=str(checkout_dir() / "configs"), version_base=None):
+        return compose(config_name="unlearn.yaml", overrides=overrides, return_hydra_config=False)
+
+
+def test_palu_configs_are_found_through_the_search_path():
+    cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "forget_split=forget05", "task_name=t"])
+    assert cfg.trainer.handler == "PALUTrainer"
+    assert cfg.trainer.method_args.top_k == 5000 and "num_initiating_tokens" not in cfg.trainer.method_args
+    forget = cfg.data.forget.TOFU_QA_forget_spans
+    assert forget.handler == "QAwithSpansDataset"
+    assert forget.args.num_initiating_tokens == 3
+    n_override = compose_unlearn(["experiment=unlearn/tofu/palu", "num_initiating_tokens=2", "task_name=t"])
+    assert n_override.data.forget.TOFU_QA_forget_spans.args.num_initiating_tokens == 2
+    assert forget.args.span_annotations.endswith("span_annotations/tofu_forget05.jsonl")
+    assert cfg.collator.DataCollatorWithTokenRoles.handler == "DataCollatorWithTokenRoles"
+
+
+def test_cpu_overlay_sets_what_the_framework_needs_on_cpu():
+    cfg = compose_unlearn(["experiment=unlearn/tofu/default", "trainer=NPO", "+runtime=cpu", "task_name=t"])
+    args = cfg.trainer.args
+    assert (args.optim, args.bf16, args.warmup_epochs, args.warmup_ratio) == ("adamw_torch", False, 0, 0.1)
+    assert cfg.model.model_args.device_map == "cpu"
+    assert cfg.trainer.handler == "NPO"
+
+
+def test_every_tofu_load_is_found(tofu_dir):
+    cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "task_name=t"])
+    loads = dict(dataset_loads(cfg))
+    assert "data.forget.TOFU_QA_forget_spans.args.hf_args" in loads
+    assert "eval.tofu.metrics.forget_Q_A_ROUGE.datasets.TOFU_QA_forget.args.hf_args" in loads
+    assert sum(1 for hf_args in loads.values() if hf_args.path == "locuslab/TOFU") >= 10
+
+
+def test_wrong_mirror_names_the_missing_config(tofu_dir):
+    cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "forget_split=forget01", "task_name=t"])
+    with pytest.raises(FileNotFoundError, match=r"has no dataset config 'holdout10', needed by eval\.tofu"):
+        redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir)})
+    with pytest.raises(FileNotFoundError, match="README.md not found"):
+        redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir / "no-such-dir")})
+
+
+def test_mirror_redirects_training_and_eval_loads(tmp_path, tofu_dir):
+    readme = (tofu_dir / "README.md").read_text()
+    header = yaml.safe_load(readme.split("---")[1])
+    header["configs"].append({"config_name": "holdout01", "data_files": "holdout01.json"})
+    (tmp_path / "README.md").write_text("---\n" + yaml.safe_dump(header) + "---\n")
+    assert "holdout01" in read_configs(tmp_path) and "forget01" in read_configs(tmp_path)
+    cfg = compose_unlearn(
+        ["experiment=unlearn/tofu/palu", "forget_split=forget01", "holdout_split=holdout01", "task_name=t"]
+    )
+    changed = redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tmp_path)})
+    assert any(line.startswith("data.forget.") for line in changed)
+    assert any(line.startswith("data.retain.") for line in changed)
+    assert any(line.startswith("eval.tofu.metrics.privleak") and "holdout01" in line for line in changed)
+    remaining = [hf.path for _, hf in dataset_loads(cfg) if hf.path == "locuslab/TOFU"]
+    assert remaining == []
+    assert OmegaConf.select(cfg, "data.retain.TOFU_QA_retain.args.hf_args.path") == str(tmp_path)

@@ -1,0 +1,162 @@
+"""PALUTrainer in-process: what changes in a few steps, what must not, and argument checks."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.method.roles import count_roles
+
+from ..conftest import TAG_TEMPLATE
+from .test_datasets import QA_ROWS, QA_SPANS, span_dataset
+
+ensure_importable()
+from data.unlearn import ForgetRetainDataset  # noqa: E402
+
+from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
+from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
+
+
+@pytest.fixture
+def make_trainer(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def build(max_steps=3, num_initiating_tokens=3, collator=DataCollatorWithTokenRoles, **method_args):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        forget = span_dataset(
+            tmp_path,
+            tokenizer,
+            TAG_TEMPLATE,
+            QA_ROWS,
+            QA_SPANS,
+            n=num_initiating_tokens,
+        )
+        retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=max_steps,
+            per_device_train_batch_size=3,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            remove_unused_columns=False,
+        )
+        return PALUTrainer(
+            model=model,
+            args=args,
+            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
+            tokenizer=tokenizer,
+            data_collator=collator(tokenizer, index="index"),
+            template_args=TAG_TEMPLATE,
+            **method_args,
+        )
+
+    return build
+
+
+def test_training_moves_the_model_and_never_the_reference(make_trainer):
+    trainer = make_trainer(top_k=64, reference_cache=False)
+    reference_before = {name: p.detach().clone() for name, p in trainer.ref_model.named_parameters()}
+    model_before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    for name, parameter in trainer.ref_model.named_parameters():
+        assert torch.equal(parameter, reference_before[name]), name
+        assert not parameter.requires_grad or parameter.grad is None
+    moved = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, model_before[name])]
+    assert len(moved) == len(model_before)
+    logged = [entry for entry in trainer.state.log_history if "local_loss" in entry]
+    forget_roles = [item["token_roles"] for item in trainer.train_dataset.forget.items]
+    assert len(logged) == 3  # one batch holds the whole forget set
+    assert logged[0]["n_initiating"] == sum(count_roles(roles)["n_initiating"] for roles in forget_roles) > 0
+
+
+def test_cached_run_keeps_no_reference_model(make_trainer):
+    trainer = make_trainer(max_steps=2, top_k=64)
+    assert trainer.uses_reference_cache and trainer.ref_model is None
+    trainer.train()
+    assert trainer.ref_model is None
+    cache = trainer.reference_cache
+    assert sorted(cache.topk_indices) == [0, 1, 2]
+    assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
+    assert cache.common_probs[0].shape[1] == trainer.model.config.vocab_size
+
+
+def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
+    def loss_and_gradients(trainer, batch):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+    cached, uncached = make_trainer(top_k=64), make_trainer(top_k=64, reference_cache=False)
+    dataset = cached.train_dataset
+    torch.manual_seed(0)
+    batches = [cached.data_collator([dataset[i] for i in rows]) for rows in ([0, 1], [2, 0], [1])]
+    for batch in batches:
+        cached_loss, cached_grads = loss_and_gradients(cached, batch)
+        uncached_loss, uncached_grads = loss_and_gradients(uncached, batch)
+        torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-5, atol=0)
+        for name, gradient in uncached_grads.items():
+            torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_cache_refuses_weights_past_the_first_step(make_trainer):
+    trainer = make_trainer(top_k=64)
+    trainer.state.global_step = 5
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    with pytest.raises(RuntimeError, match="at step 5 .*resume with reference_cache=false"):
+        trainer.compute_loss(trainer.model, batch)
+
+
+def test_kl_retain_keeps_the_reference_model(make_trainer):
+    trainer = make_trainer(retain_loss_type="KL")
+    assert not trainer.uses_reference_cache and trainer.ref_model is not None
+
+
+def test_retain_none_skips_the_retain_forward(make_trainer):
+    trainer = make_trainer(max_steps=1, retain_loss_type="none", kl_weight=0.0, top_k=64)
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "local_loss" in entry]
+    assert logged["retain_loss"] == 0.0 and logged["loss"] == pytest.approx(logged["local_loss"], rel=1e-3)
+
+
+def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
+    with caplog.at_level(logging.WARNING, logger="palu_trainer.method.losses"):
+        trainer = make_trainer(top_k=10**6)
+    assert trainer.top_k == trainer.model.config.vocab_size
+    assert "exceeds the vocabulary" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("method_args", "message"),
+    [
+        ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform"),
+        ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
+        ({"reference_cache_dtype": "int8"}, "choose one of"),
+        ({"reference_cache": "yes"}, "choose auto, true or false"),
+    ],
+)
+def test_bad_method_args_are_rejected(make_trainer, method_args, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(**method_args)
+
+
+def test_n_belongs_to_the_forget_dataset(make_trainer):
+    trainer = make_trainer(max_steps=1, num_initiating_tokens=2)
+    assert trainer.train_dataset.forget.initiating_policy.num_tokens == 2
+    with pytest.raises(
+        ValueError, match="belongs to the forget dataset.*top-level `num_initiating_tokens=N`"
+    ):
+        PALUTrainer(num_initiating_tokens=2)
+
+
+def test_forget_batches_without_roles_are_rejected(make_trainer):
+    ensure_importable()
+    from data.collators import DataCollatorForSupervisedDataset
+
+    with pytest.raises(ValueError, match="PALU needs token roles in the forget batches"):
+        make_trainer(collator=DataCollatorForSupervisedDataset)

@@ -1,0 +1,162 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from palu_trainer.method.losses import (
+    TARGETS,
+    common_kl_loss,
+    local_entropy_loss,
+    palu_forget_loss,
+    predicting_rows,
+    reference_targets,
+    select_predictions,
+)
+from palu_trainer.method.roles import TokenRole
+
+IGN, COM, INI, RED = (int(role) for role in TokenRole)
+
+
+def test_local_loss_known_values_for_each_target():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    topk = torch.tensor([[3, 2]])
+    assert local_entropy_loss(logits, topk, "global_mean").item() == pytest.approx(1.25)  # c = 2.5
+    assert local_entropy_loss(logits, topk, "topk_mean").item() == pytest.approx(0.25)  # c = 3.5
+    assert local_entropy_loss(logits, topk, "uniform").item() == pytest.approx(12.5)  # c = 0
+    ref_mean = torch.tensor([1.0])
+    assert local_entropy_loss(logits, topk, "ref_mean", ref_mean).item() == pytest.approx(6.5)
+
+
+def test_local_loss_averages_over_positions():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 8.0]])
+    topk = torch.tensor([[3, 2], [3, 0]])
+    # row 2: c = 2 -> ((8-2)^2 + (0-2)^2) / 2 = 20
+    assert local_entropy_loss(logits, topk).item() == pytest.approx((1.25 + 20.0) / 2)
+
+
+def test_local_gradient_only_on_reference_topk_and_target_has_none():
+    logits = torch.randn(3, 50, requires_grad=True)
+    topk = torch.stack([torch.randperm(50)[:7] for _ in range(3)])
+    for target in ("global_mean", "topk_mean", "uniform"):
+        logits.grad = None
+        local_entropy_loss(logits, topk, target).backward()
+        outside = torch.ones_like(logits, dtype=torch.bool).scatter(1, topk, False)
+        assert torch.all(logits.grad[outside] == 0)
+        assert torch.all(logits.grad.gather(1, topk) != 0)
+    # With c detached, d/dz_i = 2 (z_i - c) / (K * M).
+    logits.grad = None
+    local_entropy_loss(logits, topk, "global_mean").backward()
+    center = logits.detach().mean(-1, keepdim=True)
+    expected = 2 * (logits.detach().gather(1, topk) - center) / (7 * 3)
+    torch.testing.assert_close(logits.grad.gather(1, topk), expected)
+
+
+def test_full_vocabulary_k_is_the_variance_around_the_mean():
+    logits = torch.randn(4, 32)
+    topk = logits.topk(32, dim=-1).indices
+    variance = logits.var(dim=-1, unbiased=False).mean()
+    torch.testing.assert_close(local_entropy_loss(logits, topk, "global_mean"), variance)
+
+
+def test_unknown_target_lists_the_choices():
+    with pytest.raises(ValueError, match="global_mean, topk_mean, ref_mean, uniform"):
+        local_entropy_loss(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), "median")
+    assert TARGETS == ("global_mean", "topk_mean", "ref_mean", "uniform")
+
+
+def reference_of(reference_logits):
+    probs = F.softmax(reference_logits, -1)
+    return probs, (probs * probs.log()).sum(-1)
+
+
+def test_kl_matches_the_definition_and_is_zero_for_equal_distributions():
+    logits, reference = torch.randn(5, 11, requires_grad=True), torch.randn(5, 11)
+    ref_log_probs = F.log_softmax(reference, -1)
+    expected = F.kl_div(F.log_softmax(logits, -1), ref_log_probs, log_target=True, reduction="batchmean")
+    kl = common_kl_loss(logits, *reference_of(reference))
+    torch.testing.assert_close(kl, expected)
+    assert common_kl_loss(reference, *reference_of(reference)).item() == pytest.approx(0.0, abs=1e-6)
+    (gradient,) = torch.autograd.grad(kl, logits)
+    (expected_gradient,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(gradient, expected_gradient)
+    torch.testing.assert_close(gradient, (F.softmax(logits, -1) - ref_log_probs.exp()).detach() / 5)
+
+
+def test_empty_selections_give_exact_zero_in_fp32():
+    empty = torch.zeros(0, 9, dtype=torch.bfloat16)
+    local = local_entropy_loss(empty, torch.zeros(0, 3, dtype=torch.long))
+    kl = common_kl_loss(empty, torch.zeros(0, 9), torch.zeros(0))
+    assert local.item() == 0.0 and kl.item() == 0.0
+    assert local.dtype == kl.dtype == torch.float32
+
+
+def test_bf16_logits_accumulate_in_fp32():
+    logits = torch.randn(2, 16).to(torch.bfloat16)
+    topk = torch.arange(16).repeat(2, 1)
+    loss = local_entropy_loss(logits, topk)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, logits.float().var(-1, unbiased=False).mean())
+
+
+def test_logits_at_t_minus_1_predict_the_token_at_t():
+    logits = torch.arange(2 * 3 * 4, dtype=torch.float).reshape(2, 3, 4)
+    roles = torch.tensor([[IGN, INI, COM], [INI, COM, INI]])
+    # tokens (0, 1) and (1, 2) are initiating, predicted at (0, 0) and (1, 1); token 0 has no predictor
+    assert predicting_rows(roles, TokenRole.INITIATING).tolist() == [0, 4]
+    assert predicting_rows(roles, TokenRole.COMMON).tolist() == [1, 3]
+    initiating, common = select_predictions(logits, roles)
+    torch.testing.assert_close(initiating, torch.stack([logits[0, 0], logits[1, 1]]))
+    torch.testing.assert_close(common, torch.stack([logits[0, 1], logits[1, 0]]))
+
+
+def _batch(roles, vocab=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    roles = torch.tensor([roles])
+    logits = torch.randn(1, roles.shape[1], vocab, generator=generator, requires_grad=True)
+    reference_logits = torch.randn(1, roles.shape[1], vocab, generator=generator)
+    return logits, reference_logits, roles
+
+
+def test_forget_loss_uses_the_shifted_positions():
+    logits, reference_logits, roles = _batch([IGN, INI, RED, COM])
+    reference = reference_targets(reference_logits, roles, top_k=3)
+    local, kl = palu_forget_loss(logits, roles, reference)
+    # token 1 is initiating -> logits at position 0; token 3 is common -> logits at position 2
+    ref_top = reference_logits[0, 0].topk(3).indices
+    row = logits[0, 0].detach()
+    expected_local = (row[ref_top] - row.mean()).pow(2).mean()
+    expected_kl = common_kl_loss(logits[0, 2:3].detach(), *reference_of(reference_logits[0, 2:3]))
+    torch.testing.assert_close(local.detach(), expected_local)
+    torch.testing.assert_close(kl.detach(), expected_kl)
+
+
+def test_redundant_and_ignored_positions_get_exactly_zero_gradient():
+    logits, reference_logits, roles = _batch([IGN, INI, INI, RED, RED, COM, COM, IGN])
+    reference = reference_targets(reference_logits, roles, top_k=4)
+    local, kl = palu_forget_loss(logits, roles, reference)
+    (local + kl).backward()
+    per_position = logits.grad[0].abs().sum(-1)
+    # logits at t predict token t+1: positions 2, 3 predict redundant tokens; 6, 7 predict ignored/nothing
+    assert per_position[[2, 3, 6, 7]].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert torch.all(per_position[[0, 1, 4, 5]] > 0)
+
+
+def test_sample_without_span_gets_only_its_finite_kl():
+    logits, reference_logits, roles = _batch([IGN, COM, COM, COM])
+    reference = reference_targets(reference_logits, roles, top_k=3)
+    local, kl = palu_forget_loss(logits, roles, reference)
+    total = local + 2.0 * kl
+    assert local.item() == 0.0 and torch.isfinite(total)
+    torch.testing.assert_close(total, 2.0 * kl)
+    total.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_reference_targets_take_the_reference_top_k():
+    reference_logits = torch.tensor([[[0.0, 5.0, 1.0, 3.0], [9.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]])
+    roles = torch.tensor([[IGN, INI, COM]])
+    reference = reference_targets(reference_logits, roles, top_k=2)
+    assert reference.topk_indices.tolist() == [[1, 3]]
+    assert reference.logit_mean.tolist() == [2.25]
+    probs, neg_entropy = reference_of(reference_logits[0, 1:2])
+    torch.testing.assert_close(reference.common_probs, probs)
+    torch.testing.assert_close(reference.common_neg_entropy, neg_entropy)

@@ -1,0 +1,106 @@
+"""The package's floors: no import cycle, each layer imports only the layers below it."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import palu_trainer
+
+PACKAGE_DIR = Path(palu_trainer.__file__).parent
+# Each layer may import itself and the layers listed for it; `experiments` sits on top of everything.
+ALLOWED = {
+    "method": {"method"},
+    "spans": {"spans"},
+    "benchmarks": {"benchmarks", "spans"},
+    "framework": {"framework", "method", "spans", "benchmarks"},
+    "experiments": {"experiments", "framework", "method", "spans", "benchmarks"},
+}
+FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Every palu_trainer module -> the palu_trainer modules it imports anywhere (functions included)."""
+    modules = {module_name(path): path for path in PACKAGE_DIR.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    targets.add(child if child in modules else node.module)
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_is_read_from_the_sources():
+    graph = package_imports()
+    assert "palu_trainer.framework.checkout" in graph["palu_trainer.framework.datasets"]
+    assert "palu_trainer.experiments.report" in graph["palu_trainer.experiments.recipe"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle_in_the_package():
+    assert find_cycle(package_imports()) is None
+
+
+def test_each_layer_imports_only_the_layers_below():
+    offences = []
+    for module, targets in package_imports().items():
+        layer = module.split(".")[1] if module.count(".") else None
+        if layer not in ALLOWED:
+            continue
+        for target in targets:
+            target_layer = target.split(".")[1] if target.count(".") else None
+            if target_layer not in ALLOWED[layer]:
+                offences.append(f"{module} -> {target}")
+    assert offences == []
+
+
+def test_method_imports_without_open_unlearning():
+    """A fresh interpreter, no checkout to be found: the method layer loads no framework module."""
+    method_modules = sorted(
+        module_name(path) for path in (PACKAGE_DIR / "method").glob("*.py") if path.stem != "__init__"
+    )
+    assert "palu_trainer.method.losses" in method_modules
+    script = (
+        "import importlib, sys\n"
+        f"for name in {method_modules!r}: importlib.import_module(name)\n"
+        f"loaded = sorted(m for m in {FRAMEWORK_MODULES!r} if m in sys.modules)\n"
+        "assert not any('open-unlearning' in entry for entry in sys.path), sys.path\n"
+        "print('framework modules loaded:', loaded)\n"
+    )
+    environment = {**os.environ, "OPEN_UNLEARNING_DIR": "/nonexistent/open-unlearning"}
+    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "framework modules loaded: []" in result.stdout
