@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
@@ -28,6 +30,8 @@ from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
+from palu_trainer.framework.plugin import trainer_config
+from palu_trainer.method.losses import resolve_top_k
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,13 @@ def run(
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
+    for method in methods:
+        if METHODS[method].uses_spans:
+            top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
+            notes.append(
+                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, size.vocab_size)} of the "
+                f"{size.vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
+            )
     if data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
