@@ -74,7 +74,8 @@ def test_random_n_draws_n_positions_per_span_from_seed_row_and_span():
 
 def test_random_n_is_the_same_in_another_process():
     code = (
-        "from palu_trainer.method.initiating import InitiatingPolicy as P; policy = P(3, 'random_n', seed=11);"
+        "from palu_trainer.method.initiating import InitiatingPolicy as P;"
+        "policy = P(3, 'random_n', seed=11);"
         "print([policy.initiating_ranks(20, row=r, span=s) for r in range(3) for s in range(2)])"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
