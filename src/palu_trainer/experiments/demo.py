@@ -291,6 +291,8 @@ def run(
         num_layers=size.num_layers,
         seed=seed,
     )
+    # The tokenizer stops merging when the text has no more pairs: |V| can be below size.vocab_size.
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     progress.stage(
         f"tokenizer + Llama ({size.num_layers} layers, hidden {size.hidden_size})", time.monotonic() - start
     )
@@ -329,8 +331,9 @@ def run(
         f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
         f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
         f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
-        f"vocabulary {size.vocab_size}; every method unlearns Original for {size.unlearn_epochs} epochs, "
-        f"batch {size.unlearn_batch_size}, learning rates {list(size.learning_rates)}, stock defaults.",
+        f"vocabulary {vocab_size} (trained for at most {size.vocab_size}); every method unlearns Original "
+        f"for {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
+        f"{list(size.learning_rates)}, stock defaults.",
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
@@ -338,8 +341,8 @@ def run(
         if METHODS[method].uses_spans:
             top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
             notes.append(
-                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, size.vocab_size)} of the "
-                f"{size.vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
+                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, vocab_size)} of the "
+                f"{vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
             )
     if data == "synthetic":
         notes.append(
