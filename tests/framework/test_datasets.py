@@ -1,6 +1,7 @@
 """QAwithSpansDataset and DataCollatorWithTokenRoles: roles on the framework's own tokens."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ QA_SPANS = [
 ]
 
 
-def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2):
+def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2, **policy):
     ensure_importable()
     from palu_trainer.framework.datasets import QAwithSpansDataset
 
@@ -37,6 +38,7 @@ def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, ma
     return QAwithSpansDataset(
         span_annotations=annotations,
         num_initiating_tokens=n,
+        **policy,
         hf_args={"path": "json", "data_files": str(data_file), "split": "train"},
         template_args=template,
         tokenizer=tokenizer,
@@ -77,6 +79,60 @@ def test_dataset_marks_the_first_tokens_of_each_span(tmp_path, tokenizer, mode):
     assert count_roles(roles)["n_initiating"] == 0 and count_roles(roles)["n_common"] > 0
     labels = dataset[0]["labels"]
     assert torch.equal(dataset[0]["token_roles"] == IGN, labels == -100)
+
+
+def span_token_roles(dataset, position):
+    """Roles of the tokens of each span of a row (spans in answer order)."""
+    item = dataset[position]
+    roles = item["token_roles"].tolist()
+    return [roles[start:end] for start, end in token_ranges_of_spans(dataset, position)]
+
+
+def token_ranges_of_spans(dataset, position):
+    """[first, last + 1) token positions of each span, from the roles' runs of initiating/redundant tokens."""
+    roles, ranges, start = dataset[position]["token_roles"].tolist(), [], None
+    for index, role in enumerate([*roles, COM]):
+        if role in (INI, RED) and start is None:
+            start = index
+        elif role not in (INI, RED) and start is not None:
+            ranges.append((start, index))
+            start = None
+    return ranges
+
+
+def test_dataset_applies_each_initiating_strategy(tmp_path, tokenizer):
+    built = {
+        name: span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, **policy)
+        for name, policy in {
+            "first_n": {"n": 1},
+            "all": {"initiating_strategy": "all"},
+            "ratio": {"initiating_strategy": "ratio", "initiating_ratio": 0.5},
+            "random_n": {"n": 1, "initiating_strategy": "random_n", "initiating_seed": 3},
+        }.items()
+    }
+    everything = [role for span in span_token_roles(built["all"], 1) for role in span]
+    assert everything and set(everything) == {INI}
+    for position in range(len(QA_ROWS)):
+        spans = span_token_roles(built["all"], position)
+        lengths = [len(span) for span in spans]
+        assert [span.count(INI) for span in span_token_roles(built["first_n"], position)] == [1] * len(spans)
+        assert [span[0] for span in span_token_roles(built["first_n"], position)] == [INI] * len(spans)
+        ratio = span_token_roles(built["ratio"], position)
+        assert [span.count(INI) for span in ratio] == [math.ceil(length / 2) for length in lengths]
+        assert all(span == sorted(span, key=lambda role: role != INI) for span in ratio)  # a prefix
+        drawn = span_token_roles(built["random_n"], position)
+        assert [span.count(INI) for span in drawn] == [1] * len(spans)
+    multi_token = [span for p in range(3) for span in span_token_roles(built["random_n"], p) if len(span) > 1]
+    assert any(span[0] != INI for span in multi_token)  # not always the first token
+    again = span_dataset(
+        tmp_path, tokenizer, TAG_TEMPLATE, n=1, initiating_strategy="random_n", initiating_seed=3
+    )
+    assert all(torch.equal(again[p]["token_roles"], built["random_n"][p]["token_roles"]) for p in range(3))
+
+
+def test_dataset_rejects_a_bad_policy_before_loading(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="initiating_strategy='prefix' is unknown"):
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, initiating_strategy="prefix")
 
 
 def _saved(tokenizer, tmp_path):

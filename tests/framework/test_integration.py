@@ -62,12 +62,18 @@ def changed_tensors(model_dir, out_dir):
     return [name for name in before if not before[name].equal(after[name])]
 
 
-def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirror, shared_dir):
+@pytest.mark.parametrize("trainer", ["PALU", "PALU_release"])
+def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirror, shared_dir, trainer):
     annotations = tmp_path / "forget01.jsonl"
     import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", annotations)
     out = tmp_path / "palu"
     history, output = palu_train(
-        ["experiment=unlearn/tofu/palu", "task_name=palu_it", f"span_annotations={annotations}"],
+        [
+            "experiment=unlearn/tofu/palu",
+            f"trainer={trainer}",
+            "task_name=palu_it",
+            f"span_annotations={annotations}",
+        ],
         tofu_mirror,
         tiny_model_dir,
         out,
@@ -80,7 +86,9 @@ def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirr
         assert entry["n_initiating"] > 0 and entry["n_common"] > 0 and entry["n_redundant"] >= 0
     # The first step's model is the reference: KL on common tokens is zero, then grows.
     assert steps[0]["kl_loss"] == 0.0 and steps[-1]["kl_loss"] > 0
-    assert "top_k=5000 exceeds the vocabulary" in output  # the tiny vocabulary caps K
+    assert "top_k=0.15625: K=320 of |V|=2048" in output  # the paper's share of the vocabulary
+    merged = "adjacent spans merged" in output
+    assert merged == (trainer == "PALU_release"), "the release preset merges spans in the forget dataset"
     assert "local dataset mirror: data.forget.TOFU_QA_forget_spans" in output
     assert len(changed_tensors(tiny_model_dir, out)) > 10
     print("PALU log lines:", *steps, sep="\n")

@@ -17,14 +17,36 @@ def compose_unlearn(overrides):
 def test_palu_configs_are_found_through_the_search_path():
     cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "forget_split=forget05", "task_name=t"])
     assert cfg.trainer.handler == "PALUTrainer"
-    assert cfg.trainer.method_args.top_k == 5000 and "num_initiating_tokens" not in cfg.trainer.method_args
+    assert cfg.trainer.method_args.top_k == 0.15625 and "num_initiating_tokens" not in cfg.trainer.method_args
     forget = cfg.data.forget.TOFU_QA_forget_spans
     assert forget.handler == "QAwithSpansDataset"
-    assert forget.args.num_initiating_tokens == 3
-    n_override = compose_unlearn(["experiment=unlearn/tofu/palu", "num_initiating_tokens=2", "task_name=t"])
-    assert n_override.data.forget.TOFU_QA_forget_spans.args.num_initiating_tokens == 2
+    policy = ("num_initiating_tokens", "initiating_strategy", "initiating_ratio", "merge_adjacent_spans")
+    assert [forget.args[key] for key in policy] == [3, "first_n", 0.5, False]
+    override = compose_unlearn(
+        [
+            "experiment=unlearn/tofu/palu",
+            "num_initiating_tokens=2",
+            "initiating_strategy=ratio",
+            "task_name=t",
+        ]
+    )
+    args = override.data.forget.TOFU_QA_forget_spans.args
+    assert (args.num_initiating_tokens, args.initiating_strategy) == (2, "ratio")
     assert forget.args.span_annotations.endswith("span_annotations/tofu_forget05.jsonl")
     assert cfg.collator.DataCollatorWithTokenRoles.handler == "DataCollatorWithTokenRoles"
+
+
+def test_release_preset_sets_the_released_form_and_merges_spans_in_the_dataset():
+    cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "trainer=PALU_release", "task_name=t"])
+    method_args = cfg.trainer.method_args
+    assert cfg.trainer.handler == "PALUTrainer"
+    assert (method_args.target_gradient, method_args.kl_direction, method_args.kl_weight) == (
+        True,
+        "policy_to_ref",
+        "alpha",
+    )
+    assert (method_args.top_k, method_args.target) == (0.15625, "global_mean")
+    assert cfg.data.forget.TOFU_QA_forget_spans.args.merge_adjacent_spans is True
 
 
 def test_cpu_overlay_sets_what_the_framework_needs_on_cpu():

@@ -23,15 +23,12 @@ from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
 def make_trainer(tmp_path, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    def build(max_steps=3, num_initiating_tokens=3, collator=DataCollatorWithTokenRoles, **method_args):
+    def build(
+        max_steps=3, num_initiating_tokens=3, collator=DataCollatorWithTokenRoles, policy=None, **method_args
+    ):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         forget = span_dataset(
-            tmp_path,
-            tokenizer,
-            TAG_TEMPLATE,
-            QA_ROWS,
-            QA_SPANS,
-            n=num_initiating_tokens,
+            tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS, n=num_initiating_tokens, **(policy or {})
         )
         retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS)
         args = TrainingArguments(
@@ -85,14 +82,26 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     assert cache.common_probs[0].shape[1] == trainer.model.config.vocab_size
 
 
-def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
+RELEASE_FORM = {
+    "target_gradient": True,
+    "kl_direction": "policy_to_ref",
+    "kl_weight": "alpha",
+    "merge_adjacent_spans": True,
+}
+
+
+@pytest.mark.parametrize("form", ["paper", "release"])
+def test_cache_gives_the_uncached_loss_and_gradients(make_trainer, form):
     def loss_and_gradients(trainer, batch):
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
 
-    cached, uncached = make_trainer(top_k=64), make_trainer(top_k=64, reference_cache=False)
+    method_args = RELEASE_FORM if form == "release" else {}
+    policy = {"merge_adjacent_spans": True} if form == "release" else None
+    cached = make_trainer(top_k=64, policy=policy, **method_args)
+    uncached = make_trainer(top_k=64, reference_cache=False, policy=policy, **method_args)
     dataset = cached.train_dataset
     torch.manual_seed(0)
     batches = [cached.data_collator([dataset[i] for i in rows]) for rows in ([0, 1], [2, 0], [1])]
@@ -102,6 +111,10 @@ def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
         torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-5, atol=0)
         for name, gradient in uncached_grads.items():
             torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+    kept = (
+        cached.reference_cache.common_log_probs if form == "release" else cached.reference_cache.common_probs
+    )
+    assert sorted(kept) == [0, 1, 2]  # log P_ref for KL(P_theta || P_ref), P_ref for the paper's direction
 
 
 def test_cache_refuses_weights_past_the_first_step(make_trainer):
@@ -128,13 +141,48 @@ def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
     with caplog.at_level(logging.WARNING, logger="palu_trainer.method.losses"):
         trainer = make_trainer(top_k=10**6)
     assert trainer.top_k == trainer.model.config.vocab_size
-    assert "exceeds the vocabulary" in caplog.text
+    assert "exceeds the vocabulary" in caplog.text and "PDU-like" in caplog.text
+
+
+def test_top_k_share_of_the_vocabulary_is_resolved_and_logged(make_trainer, caplog):
+    with caplog.at_level(logging.INFO, logger="palu_trainer.method.losses"):
+        trainer = make_trainer(top_k=0.15625)
+    assert trainer.model.config.vocab_size == 2048 and trainer.top_k == 320
+    assert "top_k=0.15625: K=320 of |V|=2048 (15.62% of the vocabulary)" in caplog.text
+    assert "PDU-like" not in caplog.text
 
 
 @pytest.mark.parametrize(
     ("method_args", "message"),
     [
-        ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform"),
+        (
+            {"top_k": 0},
+            r"top_k=0: give a positive integer K, `all`, or a share of the vocabulary in \(0, 1\]",
+        ),
+        ({"top_k": -5}, r"top_k=-5: give a positive integer K"),
+        ({"top_k": "abc"}, r"top_k='abc': give a positive integer K"),
+        ({"top_k": 1.5}, r"top_k=1.5: give a positive integer K"),
+        ({"kl_weight": -1}, r"kl_weight=-1: must be a number >= 0"),
+        ({"kl_weight": "beta"}, r"kl_weight='beta': must be a number >= 0 .* or `alpha`"),
+    ],
+)
+def test_bad_top_k_and_kl_weight_stop_before_training(make_trainer, method_args, message):
+    """Issue #14 item 3: top_k=0 trained on NaN logged as 0.0, -5 failed at step 1, abc with a TypeError,
+    kl_weight=-1 was accepted."""
+    with pytest.raises(ValueError, match=message):
+        make_trainer(**method_args)
+
+
+@pytest.mark.parametrize(
+    ("method_args", "message"),
+    [
+        ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform, zero"),
+        ({"target_gradient": "yes"}, "target_gradient='yes'; choose true or false"),
+        ({"kl_direction": "forward"}, "kl_direction='forward'; choose one of ref_to_policy, policy_to_ref"),
+        (
+            {"merge_adjacent_spans": True},
+            "merge_adjacent_spans=True but the forget dataset's initiating policy",
+        ),
         ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
         ({"reference_cache_dtype": "int8"}, "choose one of"),
         ({"reference_cache": "yes"}, "choose auto, true or false"),

@@ -1,14 +1,21 @@
+import logging
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from palu_trainer.method.losses import (
     TARGETS,
+    check_kl_weight,
     common_kl_loss,
+    common_kl_to_reference_loss,
     local_entropy_loss,
     palu_forget_loss,
+    palu_loss,
     predicting_rows,
     reference_targets,
+    resolve_top_k,
     select_predictions,
 )
 from palu_trainer.method.roles import TokenRole
@@ -21,9 +28,25 @@ def test_local_loss_known_values_for_each_target():
     topk = torch.tensor([[3, 2]])
     assert local_entropy_loss(logits, topk, "global_mean").item() == pytest.approx(1.25)  # c = 2.5
     assert local_entropy_loss(logits, topk, "topk_mean").item() == pytest.approx(0.25)  # c = 3.5
-    assert local_entropy_loss(logits, topk, "uniform").item() == pytest.approx(12.5)  # c = 0
+    assert local_entropy_loss(logits, topk, "zero").item() == pytest.approx(12.5)  # c = 0
     ref_mean = torch.tensor([1.0])
     assert local_entropy_loss(logits, topk, "ref_mean", ref_mean).item() == pytest.approx(6.5)
+    uniform_level = math.log(sum(math.exp(z) for z in (1, 2, 3, 4)) / 4)  # logit of probability 1/4
+    expected = ((4 - uniform_level) ** 2 + (3 - uniform_level) ** 2) / 2
+    assert local_entropy_loss(logits, topk, "uniform").item() == pytest.approx(expected)
+
+
+def test_uniform_target_is_zero_exactly_when_the_top_k_have_probability_one_over_v():
+    probs = torch.tensor([[0.2, 0.2, 0.1, 0.5, 0.0]]) + torch.tensor([[0.0, 0.0, 0.0, -0.02, 0.02]])
+    topk = torch.tensor([[0, 1]])  # p = 1/|V| = 0.2 on both
+    assert local_entropy_loss(probs.log() + 3.0, topk, "uniform").item() == pytest.approx(0.0, abs=1e-10)
+    assert local_entropy_loss(probs.log(), torch.tensor([[0, 2]]), "uniform").item() > 0.1
+    # Like the other readings it ignores a shift of all logits; c = 0 does not.
+    logits = torch.randn(3, 20)
+    topk = logits.topk(5, dim=-1).indices
+    for target, invariant in (("uniform", True), ("global_mean", True), ("zero", False)):
+        shifted = local_entropy_loss(logits + 4.0, topk, target)
+        assert torch.isclose(shifted, local_entropy_loss(logits, topk, target)) == invariant, target
 
 
 def test_local_loss_averages_over_positions():
@@ -36,7 +59,7 @@ def test_local_loss_averages_over_positions():
 def test_local_gradient_only_on_reference_topk_and_target_has_none():
     logits = torch.randn(3, 50, requires_grad=True)
     topk = torch.stack([torch.randperm(50)[:7] for _ in range(3)])
-    for target in ("global_mean", "topk_mean", "uniform"):
+    for target in ("global_mean", "topk_mean", "uniform", "zero"):
         logits.grad = None
         local_entropy_loss(logits, topk, target).backward()
         outside = torch.ones_like(logits, dtype=torch.bool).scatter(1, topk, False)
@@ -50,6 +73,20 @@ def test_local_gradient_only_on_reference_topk_and_target_has_none():
     torch.testing.assert_close(logits.grad.gather(1, topk), expected)
 
 
+def test_gradient_through_the_target_is_the_released_codes():
+    logits = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
+    topk = torch.stack([torch.randperm(50)[:7] for _ in range(3)])
+    with_gradient = local_entropy_loss(logits, topk, "global_mean", target_gradient=True)
+    (gradient,) = torch.autograd.grad(with_gradient, logits)
+    assert with_gradient.item() == pytest.approx(local_entropy_loss(logits, topk).item(), rel=1e-12)
+    # d/dz_v = (2 / (K M)) [(z_v - c) 1{v in top-K} - (1/V) sum_{i in top-K} (z_i - c)]
+    z = logits.detach()
+    deviation = z.gather(1, topk) - z.mean(-1, keepdim=True)
+    expected = torch.zeros_like(z).scatter(1, topk, deviation) - deviation.sum(-1, keepdim=True) / 50
+    torch.testing.assert_close(gradient, 2 * expected / (7 * 3))
+    assert torch.all(gradient != 0)  # every logit, not only the top-K
+
+
 def test_full_vocabulary_k_is_the_variance_around_the_mean():
     logits = torch.randn(4, 32)
     topk = logits.topk(32, dim=-1).indices
@@ -58,9 +95,57 @@ def test_full_vocabulary_k_is_the_variance_around_the_mean():
 
 
 def test_unknown_target_lists_the_choices():
-    with pytest.raises(ValueError, match="global_mean, topk_mean, ref_mean, uniform"):
+    with pytest.raises(ValueError, match="global_mean, topk_mean, ref_mean, uniform, zero"):
         local_entropy_loss(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), "median")
-    assert TARGETS == ("global_mean", "topk_mean", "ref_mean", "uniform")
+    assert TARGETS == ("global_mean", "topk_mean", "ref_mean", "uniform", "zero")
+
+
+@pytest.mark.parametrize(
+    ("top_k", "vocab_size", "k"),
+    [
+        (5000, 32000, 5000),
+        (10**6, 4096, 4096),
+        ("all", 4096, 4096),
+        (0.15625, 32000, 5000),
+        (0.15625, 4096, 640),
+        (0.15625, 1024, 160),
+        (0.15625, 128256, 20040),
+        (1, 4096, 1),
+        (1.0, 4096, 4096),
+        (1e-9, 4096, 1),
+    ],
+)
+def test_top_k_forms_resolve_against_the_vocabulary(top_k, vocab_size, k, caplog):
+    with caplog.at_level(logging.INFO, logger="palu_trainer.method.losses"):
+        assert resolve_top_k(top_k, vocab_size) == k
+    assert f"K={k} of |V|={vocab_size}" in caplog.text
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert bool(warned) == (k == vocab_size)
+    if warned:
+        assert "flattens the whole vocabulary (a PDU-like objective)" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("top_k", [0, -5, "abc", 0.0, 1.5, -0.2, True, None, "0.5"])
+def test_bad_top_k_names_the_option_and_the_forms(top_k):
+    with pytest.raises(ValueError, match=r"top_k=.*positive integer K, `all`, or a share of the vocabulary"):
+        resolve_top_k(top_k, 4096)
+
+
+@pytest.mark.parametrize("kl_weight", [-1, -0.5, "beta", True, None, float("nan")])
+def test_bad_kl_weight_names_the_option(kl_weight):
+    with pytest.raises(ValueError, match=r"kl_weight=.*must be a number >= 0 .* or `alpha`"):
+        check_kl_weight(kl_weight)
+
+
+def test_loss_weights_the_kl_by_lambda_or_by_alpha():
+    local, kl, retain = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(5.0)
+    assert (
+        palu_loss(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight=4.0).item() == 0.5 * (2 + 4 * 3) + 2 * 5
+    )
+    assert (
+        palu_loss(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight="alpha").item()
+        == 0.5 * 2 + 2 * 3 + 2 * 5
+    )
 
 
 def reference_of(reference_logits):
@@ -81,12 +166,45 @@ def test_kl_matches_the_definition_and_is_zero_for_equal_distributions():
     torch.testing.assert_close(gradient, (F.softmax(logits, -1) - ref_log_probs.exp()).detach() / 5)
 
 
+def test_kl_to_reference_matches_the_definition_in_both_value_and_gradient():
+    logits, reference = torch.randn(5, 11, dtype=torch.float64, requires_grad=True), torch.randn(5, 11)
+    ref_log_probs = F.log_softmax(reference.double(), -1)
+    log_probs = F.log_softmax(logits, -1)
+    expected = (log_probs.exp() * (log_probs - ref_log_probs)).sum(-1).mean()  # KL(P_theta || P_ref)
+    kl = common_kl_to_reference_loss(logits, ref_log_probs)
+    torch.testing.assert_close(kl, expected)
+    (gradient,) = torch.autograd.grad(kl, logits)
+    (expected_gradient,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(gradient, expected_gradient)
+    assert common_kl_to_reference_loss(reference, F.log_softmax(reference, -1)).item() == pytest.approx(
+        0, abs=1e-6
+    )
+    assert not torch.isclose(kl, common_kl_loss(logits, *reference_of(reference.double())))  # not symmetric
+
+
+def test_kl_to_reference_is_exact_where_the_reference_probability_underflows():
+    reference = torch.tensor([[0.0, -200.0, 1.0]])  # exp(-200) is 0 in fp32: log P_ref stays finite
+    targets = reference_targets(
+        reference[None].repeat(1, 2, 1), torch.tensor([[IGN, COM]]), 1, "policy_to_ref"
+    )
+    assert targets.common_probs is None and torch.isfinite(targets.common_log_probs).all()
+    logits = torch.tensor([[0.0, 0.0, 0.0]], requires_grad=True)
+    kl = common_kl_to_reference_loss(logits, targets.common_log_probs)
+    expected = sum(
+        (1 / 3) * (math.log(1 / 3) - lr) for lr in F.log_softmax(reference.double(), -1)[0].tolist()
+    )
+    assert kl.item() == pytest.approx(expected, rel=1e-6) and math.isfinite(expected)
+    kl.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
 def test_empty_selections_give_exact_zero_in_fp32():
     empty = torch.zeros(0, 9, dtype=torch.bfloat16)
     local = local_entropy_loss(empty, torch.zeros(0, 3, dtype=torch.long))
     kl = common_kl_loss(empty, torch.zeros(0, 9), torch.zeros(0))
-    assert local.item() == 0.0 and kl.item() == 0.0
-    assert local.dtype == kl.dtype == torch.float32
+    kl_to_reference = common_kl_to_reference_loss(empty, torch.zeros(0, 9))
+    assert local.item() == 0.0 and kl.item() == 0.0 and kl_to_reference.item() == 0.0
+    assert local.dtype == kl.dtype == kl_to_reference.dtype == torch.float32
 
 
 def test_bf16_logits_accumulate_in_fp32():
@@ -95,6 +213,10 @@ def test_bf16_logits_accumulate_in_fp32():
     loss = local_entropy_loss(logits, topk)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, logits.float().var(-1, unbiased=False).mean())
+    reference = F.log_softmax(torch.randn(2, 16), -1)
+    kl = common_kl_to_reference_loss(logits, reference)
+    assert kl.dtype == torch.float32
+    torch.testing.assert_close(kl, common_kl_to_reference_loss(logits.float(), reference))
 
 
 def test_logits_at_t_minus_1_predict_the_token_at_t():

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
@@ -28,6 +30,8 @@ from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
+from palu_trainer.framework.plugin import trainer_config
+from palu_trainer.method.losses import resolve_top_k
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,8 @@ def run(
         num_layers=size.num_layers,
         seed=seed,
     )
+    # The tokenizer stops merging when the text has no more pairs: |V| can be below size.vocab_size.
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     progress.stage(
         f"tokenizer + Llama ({size.num_layers} layers, hidden {size.hidden_size})", time.monotonic() - start
     )
@@ -325,11 +331,19 @@ def run(
         f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
         f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
         f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
-        f"vocabulary {size.vocab_size}; every method unlearns Original for {size.unlearn_epochs} epochs, "
-        f"batch {size.unlearn_batch_size}, learning rates {list(size.learning_rates)}, stock defaults.",
+        f"vocabulary {vocab_size} (trained for at most {size.vocab_size}); every method unlearns Original "
+        f"for {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
+        f"{list(size.learning_rates)}, stock defaults.",
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
+    for method in methods:
+        if METHODS[method].uses_spans:
+            top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
+            notes.append(
+                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, vocab_size)} of the "
+                f"{vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
+            )
     if data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."

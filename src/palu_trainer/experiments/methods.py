@@ -43,6 +43,14 @@ METHODS: dict[str, Method] = {
         },
         in_fast_demo=True,
     ),
+    # The released code's loss (configs/trainer/PALU_release.yaml): run by name, `--methods PALU_release`.
+    "PALU_release": Method(
+        "PALU_release",
+        tofu_experiment="unlearn/tofu/palu",
+        uses_spans=True,
+        bench_variants={},  # the same cost as PALU's cached row
+        side_by_side=False,
+    ),
 }
 
 

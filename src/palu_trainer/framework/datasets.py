@@ -22,15 +22,33 @@ class QAwithSpansDataset(QADataset):
 
     Spans are validated against the dataset and every row is tokenised once, here, so that a bad
     file or a template/tokenizer mismatch stops the run before training starts. The dataset owns the
-    initiating policy (N = `num_initiating_tokens`): roles are fixed here for the whole run.
+    initiating policy (`palu_trainer.method.initiating.InitiatingPolicy`: N = `num_initiating_tokens`,
+    `initiating_strategy`, `initiating_ratio`, `initiating_seed`, `merge_adjacent_spans`): roles are fixed
+    here for the whole run.
     """
 
-    def __init__(self, span_annotations, num_initiating_tokens=3, *args, **kwargs):
+    def __init__(
+        self,
+        span_annotations,
+        num_initiating_tokens=3,
+        initiating_strategy="first_n",
+        initiating_ratio=0.5,
+        initiating_seed=0,
+        merge_adjacent_spans=False,
+        *args,
+        **kwargs,
+    ):
+        self.initiating_policy = InitiatingPolicy(
+            num_initiating_tokens,
+            initiating_strategy,
+            initiating_ratio,
+            initiating_seed,
+            merge_adjacent_spans,
+        )
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
         self.span_annotations = str(span_annotations)
-        self.initiating_policy = InitiatingPolicy(num_initiating_tokens)
         rows = read_annotations(self.span_annotations)
         self.spans = validate_annotations(rows, self.data[self.answer_key], source=self.span_annotations)
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
@@ -52,6 +70,7 @@ class QAwithSpansDataset(QADataset):
             (item["labels"] != IGNORE_INDEX).tolist(),
             self.spans[position],
             self.initiating_policy,
+            row=int(row["index"]),
         )
         item["token_roles"] = assignment.roles
         item["spans_cut"] = assignment.spans_cut

@@ -6,7 +6,7 @@ policy over the forget set yields everything PALU ever reads from the reference:
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,19 +29,27 @@ def cache_dtype(name: str) -> torch.dtype:
 class ReferenceCache:
     """Per forget row (keyed by dataset index), on host memory.
 
-    topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; common_probs[i]: (C_i, V) in the cache
-    dtype; common_neg_entropy[i]: (C_i,) fp32; rows in the order of the row's initiating / common positions.
+    topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; rows in the order of the row's initiating /
+    common positions. For KL(P_ref ‖ P_θ): common_probs[i] (C_i, V) in the cache dtype and
+    common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i] (C_i, V) in the cache dtype
+    (log P_ref itself, so probabilities that underflow to 0 keep their exact log). Unused tables are empty.
     """
 
-    topk_indices: dict[int, torch.Tensor]
-    logit_mean: dict[int, torch.Tensor]
-    common_probs: dict[int, torch.Tensor]
-    common_neg_entropy: dict[int, torch.Tensor]
+    topk_indices: dict[int, torch.Tensor] = field(default_factory=dict)
+    logit_mean: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_neg_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def _tables(self) -> dict[str, dict[int, torch.Tensor]]:
+        return {name: table for name, table in vars(self).items() if table}
 
     @property
     def nbytes(self) -> int:
-        tables = (self.topk_indices, self.logit_mean, self.common_probs, self.common_neg_entropy)
-        return sum(t.numel() * t.element_size() for table in tables for t in table.values())
+        return sum(t.numel() * t.element_size() for table in self._tables().values() for t in table.values())
+
+    def common_rows(self) -> dict[int, torch.Tensor]:
+        return self.common_log_probs or self.common_probs
 
     def targets(self, row_indices: Iterable[int], roles: torch.Tensor, device) -> ReferenceTargets:
         """The batch's targets, in the order `roles[roles == ROLE]` selects positions.
@@ -56,17 +64,22 @@ class ReferenceCache:
                 int((row_roles == TokenRole.INITIATING).sum()),
                 int((row_roles == TokenRole.COMMON).sum()),
             )
-            cached = (self.topk_indices[row].shape[0], self.common_probs[row].shape[0])
+            cached = (self.topk_indices[row].shape[0], self.common_rows()[row].shape[0])
             if expected != cached:
                 raise RuntimeError(
                     f"reference cache for forget row {row} holds {cached} initiating/common positions, the "
                     f"batch has {expected}: the forget data changed after the cache was built"
                 )
+        dtypes = {
+            "topk_indices": torch.long,
+            "common_probs": torch.float32,
+            "common_log_probs": torch.float32,
+        }
         return ReferenceTargets(
-            topk_indices=torch.cat([self.topk_indices[r] for r in rows]).to(device, torch.long),
-            logit_mean=torch.cat([self.logit_mean[r] for r in rows]).to(device),
-            common_probs=torch.cat([self.common_probs[r] for r in rows]).to(device, torch.float32),
-            common_neg_entropy=torch.cat([self.common_neg_entropy[r] for r in rows]).to(device),
+            **{
+                name: torch.cat([table[r] for r in rows]).to(device, dtypes.get(name))
+                for name, table in self._tables().items()
+            }
         )
 
 
@@ -75,32 +88,34 @@ def build_reference_cache(
     batches: Iterable[dict],
     top_k: int,
     dtype: torch.dtype = torch.float32,
+    kl_direction: str = "ref_to_policy",
 ) -> ReferenceCache:
     """Run `forward` (input_ids, attention_mask → (B, T, V) logits) over collated forget batches.
 
     Each batch needs `input_ids`, `attention_mask`, `token_roles` and `index`. Called identically on
     every rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set.
-    `top_k` is K as resolved against |V|; `dtype` stores the probabilities (see `cache_dtype`).
+    `top_k` is K as resolved against |V|; `dtype` stores the (log) probabilities (see `cache_dtype`);
+    `kl_direction` picks what is kept on common positions (see `ReferenceCache`).
     """
-    cache = ReferenceCache({}, {}, {}, {})
+    cache = ReferenceCache()
+    dtypes = {"topk_indices": torch.int32, "common_probs": dtype, "common_log_probs": dtype}
     with torch.no_grad():
         for batch in batches:
             logits = forward({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
             for row, (row_logits, row_roles) in enumerate(zip(logits, batch["token_roles"])):
-                targets = reference_targets(row_logits[None], row_roles[None], top_k)
+                targets = reference_targets(row_logits[None], row_roles[None], top_k, kl_direction)
                 index = int(batch["index"][row])
-                cache.topk_indices[index] = targets.topk_indices.to("cpu", torch.int32)
-                cache.logit_mean[index] = targets.logit_mean.cpu()
-                cache.common_probs[index] = targets.common_probs.to("cpu", dtype)
-                cache.common_neg_entropy[index] = targets.common_neg_entropy.cpu()
+                for name, value in vars(targets).items():
+                    if value is not None:
+                        getattr(cache, name)[index] = value.to("cpu", dtypes.get(name))
     return cache
 
 
 def describe(cache: ReferenceCache, top_k: int, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     initiating = sum(t.shape[0] for t in cache.topk_indices.values())
-    common = sum(t.shape[0] for t in cache.common_probs.values())
-    vocab = next((t.shape[1] for t in cache.common_probs.values() if t.numel()), 0)
+    common = sum(t.shape[0] for t in cache.common_rows().values())
+    vocab = next((t.shape[1] for t in cache.common_rows().values() if t.numel()), 0)
     return (
         f"reference cache: {len(cache.topk_indices)} forget rows, {initiating} initiating positions x "
         f"K={top_k} int32, {common} common positions x V={vocab} {dtype_name}: "

@@ -40,6 +40,7 @@ def assign_token_roles(
     is_label: Sequence[bool],
     spans: Sequence[tuple[int, int]],
     policy: InitiatingPolicy,
+    row: int = 0,
 ) -> RoleAssignment:
     """Give every token its PALU role from character spans of the answer.
 
@@ -49,6 +50,7 @@ def assign_token_roles(
         is_label: (T,) True where the token is a training label (the response).
         spans: sorted, non-overlapping sensitive spans `[start, end)` in answer characters.
         policy: which of a span's tokens are INITIATING; the span's other tokens are REDUNDANT.
+        row: the sample's dataset index, which seeds the `random_n` policy.
 
     A label token belongs to the first span it overlaps; label tokens in no span (the EOS
     included) are COMMON.
@@ -75,8 +77,7 @@ def assign_token_roles(
             roles[position] = TokenRole.COMMON
     for positions in span_tokens:
         roles[positions] = TokenRole.REDUNDANT
-        initiating = [positions[rank] for rank in policy.initiating_ranks(len(positions))]
-        roles[initiating] = TokenRole.INITIATING
+    roles[policy.initiating_positions(span_tokens, row)] = TokenRole.INITIATING
     spans_dropped = sum(1 for positions in span_tokens if not positions)
     spans_cut = sum(
         1 for positions, (_, span_end) in zip(span_tokens, spans) if positions and span_end > label_text_end

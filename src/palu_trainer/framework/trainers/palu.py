@@ -5,7 +5,15 @@ import logging
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.method.losses import check_target, palu_forget_loss, reference_targets, resolve_top_k
+from palu_trainer.method.losses import (
+    check_kl_direction,
+    check_kl_weight,
+    check_target,
+    palu_forget_loss,
+    palu_loss,
+    reference_targets,
+    resolve_top_k,
+)
 from palu_trainer.method.reference_cache import build_reference_cache, cache_dtype, describe
 from palu_trainer.method.roles import count_roles
 
@@ -22,9 +30,17 @@ class PALUTrainer(GradDiff):
     """loss = gamma·(local + kl_weight·KL) + alpha·retain, with retain ∈ {NLL, KL, none}.
 
     Args (method_args):
-        top_k: K, the reference's top-K vocabulary entries that the local loss flattens; capped at |V|.
-        target: c of the local loss: global_mean, topk_mean, ref_mean or uniform.
-        kl_weight: λ, the weight of the KL term on common tokens.
+        top_k: K, the reference's top-K vocabulary entries that the local loss flattens: a positive
+            integer (capped at |V|), `all`, or a share of |V| in (0, 1] (see `resolve_top_k`).
+        target: c of the local loss: global_mean, topk_mean, ref_mean, uniform or zero.
+        target_gradient: false (the paper: c is a fixed target) or true (the released code: gradient flows
+            through c).
+        kl_direction: ref_to_policy, KL(P_ref ‖ P_θ) (the paper), or policy_to_ref, KL(P_θ ‖ P_ref) (the
+            released code).
+        kl_weight: λ >= 0, the weight of the KL term on common tokens, or `alpha`: the released code's
+            loss gamma·local + alpha·KL + alpha·retain.
+        merge_adjacent_spans: must match the forget dataset's initiating policy (the experiment passes this
+            value to it): spans with no token between them are one span (the released code).
         reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
             the first step the policy, whose weights are still the reference, runs once over the forget
             set and PALU's reference targets are kept per row on host memory; no reference model exists.
@@ -36,9 +52,12 @@ class PALUTrainer(GradDiff):
 
     def __init__(
         self,
-        top_k=5000,
+        top_k=0.15625,
         target="global_mean",
+        target_gradient=False,
+        kl_direction="ref_to_policy",
         kl_weight=1.0,
+        merge_adjacent_spans=False,
         reference_cache="auto",
         reference_cache_dtype="float32",
         *args,
@@ -53,9 +72,13 @@ class PALUTrainer(GradDiff):
         if self.retain_loss_type not in RETAIN_LOSS_TYPES:
             raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
         self.target = check_target(target)
-        self.kl_weight = kl_weight
+        if not isinstance(target_gradient, bool):
+            raise ValueError(f"target_gradient={target_gradient!r}; choose true or false")
+        self.target_gradient = target_gradient
+        self.kl_direction = check_kl_direction(kl_direction)
+        self.kl_weight = check_kl_weight(kl_weight)
         self.top_k = resolve_top_k(top_k, self.model.config.vocab_size)
-        self._check_forget_batches()
+        self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
         self.uses_reference_cache = self._cache_wanted(reference_cache)
         self.reference_cache = None
@@ -64,10 +87,17 @@ class PALUTrainer(GradDiff):
         self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
         self._term_batches = 0
 
-    def _check_forget_batches(self):
+    def _check_forget_batches(self, merge_adjacent_spans):
         forget = getattr(self.train_dataset, "forget", None)
         if forget is None or len(forget) == 0:
             return
+        policy = getattr(forget, "initiating_policy", None)
+        if policy is not None and policy.merge_adjacent_spans != merge_adjacent_spans:
+            raise ValueError(
+                f"method_args.merge_adjacent_spans={merge_adjacent_spans} but the forget dataset's "
+                f"initiating policy has merge_adjacent_spans={policy.merge_adjacent_spans}: pass the "
+                "trainer's value to the dataset (experiment=unlearn/tofu/palu does)"
+            )
         if "token_roles" not in self.data_collator([forget[0]]):
             raise ValueError(
                 "PALU needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
@@ -101,7 +131,11 @@ class PALUTrainer(GradDiff):
         was_training = model.training
         model.eval()
         cache = build_reference_cache(
-            lambda inputs: model(**inputs).logits, batches, self.top_k, self.reference_cache_dtype
+            lambda inputs: model(**inputs).logits,
+            batches,
+            self.top_k,
+            self.reference_cache_dtype,
+            self.kl_direction,
         )
         model.train(was_training)
         logger.info(describe(cache, self.top_k, self.reference_cache_dtype))
@@ -119,8 +153,10 @@ class PALUTrainer(GradDiff):
         else:
             with torch.no_grad():
                 reference_logits = self.ref_model(**forward_inputs).logits
-            reference = reference_targets(reference_logits, roles, self.top_k)
-        local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
+            reference = reference_targets(reference_logits, roles, self.top_k, self.kl_direction)
+        local_loss, kl_loss = palu_forget_loss(
+            logits, roles, reference, self.target, self.target_gradient, self.kl_direction
+        )
 
         if self.retain_loss_type == "none":
             retain_loss = torch.zeros((), device=local_loss.device)
@@ -129,7 +165,7 @@ class PALUTrainer(GradDiff):
             retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
             retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
 
-        loss = self.gamma * (local_loss + self.kl_weight * kl_loss) + self.alpha * retain_loss
+        loss = palu_loss(local_loss, kl_loss, retain_loss, self.gamma, self.alpha, self.kl_weight)
         self._record_terms(local_loss, kl_loss, retain_loss, roles)
         return (loss, forget_outputs) if return_outputs else loss
 
