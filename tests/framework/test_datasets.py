@@ -33,9 +33,7 @@ QA_SPANS = [
 ]
 
 
-def span_dataset(
-    tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2, minimum="auto"
-):
+def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2, **options):
     ensure_importable()
     from palu_trainer.framework.datasets import QAwithSpansDataset
 
@@ -45,7 +43,7 @@ def span_dataset(
     return QAwithSpansDataset(
         span_annotations=annotations,
         num_initiating_tokens=n,
-        min_initiating_tokens=minimum,
+        **options,
         hf_args={"path": "json", "data_files": str(data_file), "split": "train"},
         template_args=template,
         tokenizer=tokenizer,
@@ -96,7 +94,7 @@ def _saved(tokenizer, tmp_path):
 
 
 def test_dataset_counts_spans_cut_by_max_length(tmp_path, tokenizer):
-    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, max_length=16, minimum=0)
+    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, max_length=16, min_initiating_tokens=0)
     first = dataset[0]
     assert len(first["input_ids"]) <= 17  # max_length plus the appended EOS
     assert first["spans_cut"] + first["spans_dropped"] >= 1
@@ -220,7 +218,9 @@ def test_a_forget_set_without_initiating_tokens_stops_before_training(
 ):
     with pytest.raises(AnnotationError, match=message + ".*retain-only training.*min_initiating_tokens=0"):
         span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, spans=spans, max_length=max_length)
-    allowed = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, spans=spans, max_length=max_length, minimum=0)
+    allowed = span_dataset(
+        tmp_path, tokenizer, TAG_TEMPLATE, spans=spans, max_length=max_length, min_initiating_tokens=0
+    )
     assert sum(count_roles(item["token_roles"])["n_initiating"] for item in allowed.items) == 0
 
 
@@ -228,13 +228,13 @@ def test_min_initiating_tokens_counts_the_whole_forget_set(tmp_path, tokenizer):
     dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1)
     found = sum(count_roles(item["token_roles"])["n_initiating"] for item in dataset.items)
     assert found == 6  # one per span
-    span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, minimum=6)
+    span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, min_initiating_tokens=6)
     with pytest.raises(
         AnnotationError, match="6 initiating tokens in 3 forget rows, fewer than min_initiating_tokens=7"
     ):
-        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, minimum=7)
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, min_initiating_tokens=7)
     with pytest.raises(ValueError, match="min_initiating_tokens must be auto or an integer >= 0"):
-        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, minimum="none")
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, min_initiating_tokens="none")
 
 
 def test_spans_inside_words_are_counted_in_the_log(tmp_path, tokenizer, caplog):

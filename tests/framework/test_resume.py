@@ -23,6 +23,14 @@ from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: 
 STEPS, SAVE_EVERY = 4, 2
 
 
+class CountSteps(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
 class Interrupt(TrainerCallback):
     """Ctrl-C during the step after a checkpoint."""
 
@@ -81,16 +89,20 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run
     torch.manual_seed(0)
     uninterrupted = palu_run(tmp_path / "full", reference_cache=reference_cache)
     uninterrupted.train()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.safetensors").write_bytes(b"an earlier run's final model")
     torch.manual_seed(0)
     interrupted = palu_run(tmp_path / "run", reference_cache=reference_cache, callbacks=[Interrupt()])
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == [f"checkpoint-{SAVE_EVERY}"]
     checkpoint = checkpoint_to_resume(True, str(tmp_path / "run"))
     assert checkpoint.endswith(f"checkpoint-{SAVE_EVERY}")
     torch.manual_seed(1)  # resuming restores the checkpoint's RNG state, whatever the process did before
-    resumed = palu_run(tmp_path / "run", checkpoint, reference_cache=reference_cache)
+    trained = CountSteps()
+    resumed = palu_run(tmp_path / "run", checkpoint, reference_cache=reference_cache, callbacks=[trained])
     resumed.train()  # as train.py calls it: no arguments
-    assert resumed.state.global_step == STEPS
+    assert trained.steps == list(range(SAVE_EVERY + 1, STEPS + 1))
     steps = [entry["step"] for entry in resumed.state.log_history if "local_loss" in entry]
     assert steps == list(range(1, STEPS + 1))  # 1-3 from the checkpoint, 4-6 trained after resuming
     full = dict(uninterrupted.model.named_parameters())

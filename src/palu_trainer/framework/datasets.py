@@ -3,6 +3,7 @@
 import logging
 import math
 
+import tokenizers
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
@@ -130,13 +131,11 @@ class QAwithSpansDataset(QADataset):
         special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
         for token, (start, end), label in zip(input_ids, offsets, is_label):
             if label and start == end and token not in special:
-                import tokenizers
-
                 name = self.tokenizer.convert_ids_to_tokens(token)
                 raise AnnotationError(
                     f"{self.span_annotations} row {position}: the tokenizer gives answer token {name!r} the "
-                    f"empty character range ({start}, {end}), so span roles cannot be placed. tokenizers "
-                    f"{tokenizers.__version__} (0.20.0 does this for Llama-3-style tokenizers): install "
+                    f"empty character range ({start}, {end}), so span roles cannot be placed (tokenizers "
+                    f"{tokenizers.__version__}; 0.20.0 does this to Llama-3-style tokenizers): install "
                     "tokenizers>=0.20.1"
                 )
 
