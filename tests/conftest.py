@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
 
 from palu_trainer.experiments.tiny import save_tiny_model, train_bpe_tokenizer
 
@@ -46,6 +48,99 @@ def tofu_rows(tofu_dir):
 def tokenizer(tofu_rows):
     texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
     return train_bpe_tokenizer(texts, vocab_size=2048)
+
+
+# Llama-3's pre-tokenizer split (tokenizer.json of meta-llama/Meta-Llama-3-8B).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _trained_spec(tokenizer: Tokenizer, texts, trainer) -> dict:
+    """The trained tokenizer's JSON, for options the trainer cannot set (ignore_merges, byte fallback)."""
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return json.loads(tokenizer.to_str())
+
+
+def llama3_style_tokenizer(texts, vocab_size=2048) -> PreTrainedTokenizerFast:
+    """Llama-3's layout: its split regex, ByteLevel without its own regex, BPE with ignore_merges."""
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[bos, eos],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    spec = _trained_spec(tokenizer, texts, trainer)
+    spec["model"]["ignore_merges"] = True
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+            ),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=eos,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def sentencepiece_style_tokenizer(texts, vocab_size=2048) -> PreTrainedTokenizerFast:
+    """Llama-2's layout: "▁" for spaces and a "▁" prefix (Metaspace), BPE with byte fallback (<0xNN>)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    spec = _trained_spec(tokenizer, texts, trainer)
+    for byte in range(256):
+        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    spec["pre_tokenizer"]["split"] = False  # as Llama-2's converted tokenizer: pieces never cross a "▁"
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Metaspace(prepend_scheme="first", split=False), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+TOKENIZER_STYLES = {
+    "byte-level": train_bpe_tokenizer,
+    "sentencepiece": sentencepiece_style_tokenizer,
+    "llama3": llama3_style_tokenizer,
+}
+
+
+@pytest.fixture(scope="session", params=list(TOKENIZER_STYLES))
+def any_tokenizer(request, tofu_rows):
+    """The project's byte-level BPE, a Llama-2-style (SentencePiece) and a Llama-3-style tokenizer."""
+    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
+    return TOKENIZER_STYLES[request.param](texts, vocab_size=2048)
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,23 @@
 """QAwithSpansDataset and DataCollatorWithTokenRoles: roles on the framework's own tokens."""
 
+import configparser
 import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
+from packaging.requirements import Requirement
+from transformers import PreTrainedTokenizerFast
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.roles import TokenRole, count_roles
-from palu_trainer.spans.format import write_annotations
+from palu_trainer.spans.format import AnnotationError, write_annotations
 from palu_trainer.spans.tpo import import_tpo
 
-from ..conftest import CHAT_TEMPLATE, TAG_TEMPLATE, write_jsonl
+from ..conftest import CHAT_TEMPLATE, TAG_TEMPLATE, llama3_style_tokenizer, write_jsonl
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
 
@@ -28,7 +34,7 @@ QA_SPANS = [
 ]
 
 
-def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2, **policy):
+def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, max_length=512, n=2, **options):
     ensure_importable()
     from palu_trainer.framework.datasets import QAwithSpansDataset
 
@@ -38,7 +44,7 @@ def span_dataset(tmp_path, tokenizer, template, rows=QA_ROWS, spans=QA_SPANS, ma
     return QAwithSpansDataset(
         span_annotations=annotations,
         num_initiating_tokens=n,
-        **policy,
+        **options,
         hf_args={"path": "json", "data_files": str(data_file), "split": "train"},
         template_args=template,
         tokenizer=tokenizer,
@@ -61,7 +67,8 @@ def initiating_text_per_span(dataset, tokenizer, position):
 
 
 @pytest.mark.parametrize("mode", ["tags", "chat"])
-def test_dataset_marks_the_first_tokens_of_each_span(tmp_path, tokenizer, mode):
+def test_dataset_marks_the_first_tokens_of_each_span(tmp_path, any_tokenizer, mode):
+    tokenizer = any_tokenizer
     template = TAG_TEMPLATE
     if mode == "chat":
         tokenizer = tokenizer.__class__.from_pretrained(_saved(tokenizer, tmp_path))
@@ -74,7 +81,8 @@ def test_dataset_marks_the_first_tokens_of_each_span(tmp_path, tokenizer, mode):
         initiating = initiating_text_per_span(dataset, tokenizer, position)
         assert len(initiating) == len(texts)
         for decoded, span_text in zip(initiating, texts):
-            assert decoded and span_text.startswith(decoded), (decoded, span_text)
+            # A SentencePiece piece may start with the opening quote ("'The" for "The Silent Harbour").
+            assert decoded and span_text.startswith(decoded.lstrip("'")), (decoded, span_text)
     roles = dataset[2]["token_roles"]
     assert count_roles(roles)["n_initiating"] == 0 and count_roles(roles)["n_common"] > 0
     labels = dataset[0]["labels"]
@@ -141,7 +149,7 @@ def _saved(tokenizer, tmp_path):
 
 
 def test_dataset_counts_spans_cut_by_max_length(tmp_path, tokenizer):
-    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, max_length=16)
+    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, max_length=16, min_initiating_tokens=0)
     first = dataset[0]
     assert len(first["input_ids"]) <= 17  # max_length plus the appended EOS
     assert first["spans_cut"] + first["spans_dropped"] >= 1
@@ -163,9 +171,11 @@ def test_collator_pads_roles_with_ignored(tmp_path, tokenizer):
     assert batch["index"].tolist() == [0, 2]
 
 
-def test_gpt4o_spans_on_tofu_forget05_first_20_rows(tmp_path, tokenizer, shared_dir, tofu_dir):
+def test_gpt4o_spans_on_tofu_forget05_first_100_rows(tmp_path, any_tokenizer, shared_dir, tofu_dir):
+    """Every span's first tokens initiate it, with byte-level, SentencePiece and Llama-3-style tokenizers."""
     from palu_trainer.framework.datasets import QAwithSpansDataset
 
+    tokenizer = any_tokenizer
     annotations = tmp_path / "forget05.jsonl"
     tpo_file = shared_dir / "data" / "tofu_spans_gpt4o" / "forget05.jsonl"
     import_tpo(tpo_file, annotations)
@@ -176,7 +186,7 @@ def test_gpt4o_spans_on_tofu_forget05_first_20_rows(tmp_path, tokenizer, shared_
         template_args=TAG_TEMPLATE,
         tokenizer=tokenizer,
     )
-    tpo_rows = [json.loads(line) for line in tpo_file.read_text().splitlines()][:20]
+    tpo_rows = [json.loads(line) for line in tpo_file.read_text().splitlines()][:100]
     checked = 0
     for position, tpo_row in enumerate(tpo_rows):
         item = dataset[position]
@@ -187,9 +197,10 @@ def test_gpt4o_spans_on_tofu_forget05_first_20_rows(tmp_path, tokenizer, shared_
             initiating = [ids[i] for i in first_tokens if roles[i] == INI]
             assert initiating == [ids[i] for i in first_tokens[:3]]
             decoded = tokenizer.decode(initiating).strip()
+            decoded = decoded.lstrip("'\"")  # a SentencePiece piece may start with the opening quote
             assert span_text.startswith(decoded) or decoded.startswith(span_text), (decoded, span_text)
             checked += 1
-    assert checked >= 20
+    assert checked >= 200
 
 
 def _tokens_of_span(dataset, position, start, end):
@@ -202,3 +213,87 @@ def _tokens_of_span(dataset, position, start, end):
         for i, (s, e) in enumerate(offsets)
         if labels[i] != -100 and e > s and s - answer_start < end and e - answer_start > start
     ]
+
+
+class ZeroWidthWholeWords(PreTrainedTokenizerFast):
+    """tokenizers 0.20.0 on an ignore_merges tokenizer: whole-word tokens get offsets (start, start)."""
+
+    def __call__(self, *args, **kwargs):
+        encoding = super().__call__(*args, **kwargs)
+        if "offset_mapping" in encoding:
+            tokens = self.convert_ids_to_tokens(encoding["input_ids"])
+            encoding["offset_mapping"] = [
+                (start, start) if token.startswith("Ġ") and end - start > 3 else (start, end)
+                for token, (start, end) in zip(tokens, encoding["offset_mapping"])
+            ]
+        return encoding
+
+
+def test_zero_width_answer_offsets_stop_the_dataset(tmp_path, tofu_rows):
+    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
+    llama3 = llama3_style_tokenizer(texts)
+    broken = ZeroWidthWholeWords(
+        tokenizer_object=llama3.backend_tokenizer,
+        bos_token=llama3.bos_token,
+        eos_token=llama3.eos_token,
+        pad_token=llama3.pad_token,
+        clean_up_tokenization_spaces=False,
+    )
+    assert span_dataset(tmp_path, llama3, TAG_TEMPLATE)[0]["token_roles"].eq(INI).any()
+    with pytest.raises(
+        AnnotationError, match=r"spans\.jsonl row 0: .*answer token 'Ġ\w+' the empty character"
+    ):
+        span_dataset(tmp_path, broken, TAG_TEMPLATE)
+    with pytest.raises(AnnotationError, match=r"install tokenizers>=0\.20\.1"):
+        span_dataset(tmp_path, broken, TAG_TEMPLATE)
+
+
+def test_setup_cfg_excludes_the_tokenizers_with_zero_width_offsets():
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    requirements = [Requirement(line) for line in config["options"]["install_requires"].split("\n") if line]
+    (pin,) = [requirement for requirement in requirements if requirement.name == "tokenizers"]
+    assert not pin.specifier.contains("0.20.0") and pin.specifier.contains("0.20.1")
+    assert pin.specifier.contains(tokenizers.__version__)
+
+
+@pytest.mark.parametrize(
+    ("spans", "max_length", "message"),
+    [
+        (
+            [[], [], []],
+            512,
+            r"0 initiating tokens in 3 forget rows, fewer than min_initiating_tokens=1 \(0 spans",
+        ),
+        (QA_SPANS, 12, r"0 initiating tokens .* \(6 spans, 6 of them dropped by max_length=12\)"),
+    ],
+)
+def test_a_forget_set_without_initiating_tokens_stops_before_training(
+    tmp_path, tokenizer, spans, max_length, message
+):
+    with pytest.raises(AnnotationError, match=message + ".*retain-only training.*min_initiating_tokens=0"):
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, spans=spans, max_length=max_length)
+    allowed = span_dataset(
+        tmp_path, tokenizer, TAG_TEMPLATE, spans=spans, max_length=max_length, min_initiating_tokens=0
+    )
+    assert sum(count_roles(item["token_roles"])["n_initiating"] for item in allowed.items) == 0
+
+
+def test_min_initiating_tokens_counts_the_whole_forget_set(tmp_path, tokenizer):
+    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1)
+    found = sum(count_roles(item["token_roles"])["n_initiating"] for item in dataset.items)
+    assert found == 6  # one per span
+    span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, min_initiating_tokens=6)
+    with pytest.raises(
+        AnnotationError, match="6 initiating tokens in 3 forget rows, fewer than min_initiating_tokens=7"
+    ):
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, min_initiating_tokens=7)
+    with pytest.raises(ValueError, match="min_initiating_tokens must be auto or an integer >= 0"):
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, min_initiating_tokens="none")
+
+
+def test_spans_inside_words_are_counted_in_the_log(tmp_path, tokenizer, caplog):
+    spans = [[(0, 5), (20, 24)], [], []]  # "Ann L|ee", "Oslo"
+    with caplog.at_level(logging.WARNING, logger="palu_trainer.framework.datasets"):
+        span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, spans=spans)
+    assert "spans.jsonl: 1 span(s) in 1 row(s) start or end inside a word (rows 0)" in caplog.text

@@ -1,4 +1,10 @@
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -6,6 +12,8 @@ from omegaconf import OmegaConf
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.plugin import dataset_loads, redirect_to_local_mirrors, register
+
+from ..conftest import make_tofu_mirror, write_jsonl
 
 
 def compose_unlearn(overrides):
@@ -89,3 +97,82 @@ def test_mirror_redirects_training_and_eval_loads(tmp_path, tofu_dir):
     remaining = [hf.path for _, hf in dataset_loads(cfg) if hf.path == "locuslab/TOFU"]
     assert remaining == []
     assert OmegaConf.select(cfg, "data.retain.TOFU_QA_retain.args.hf_args.path") == str(tmp_path)
+
+
+def forget01_questions(composed, mirror: Path) -> list[str]:
+    """The forget rows train.py would load with TOFU_DIR=mirror: the redirect, then the framework's loader."""
+    from data.utils import load_hf_dataset  # importable once compose_unlearn has registered PALU
+
+    cfg = copy.deepcopy(composed)
+    redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(mirror)})
+    hf_args = OmegaConf.to_container(cfg.data.forget.TOFU_QA_forget.args.hf_args, resolve=True)
+    return load_hf_dataset(**hf_args)["question"]
+
+
+def test_each_mirror_serves_its_current_files(tmp_path, tofu_dir):
+    def mirror(parent, questions):
+        rows = {"forget01": [{"question": q, "answer": "a"} for q in questions]}
+        rows["holdout10"] = rows["forget01"]
+        return make_tofu_mirror(tmp_path / parent / "tofu", tofu_dir, rows)
+
+    cfg = compose_unlearn(["experiment=unlearn/tofu/default", "forget_split=forget01", "task_name=t"])
+    first, second = mirror("a", ["a1", "a2"]), mirror("b", ["b1"])  # same folder name: tofu
+    assert forget01_questions(cfg, first) == ["a1", "a2"]
+    assert forget01_questions(cfg, second) == ["b1"]
+    write_jsonl(first / "forget01.json", [{"question": q, "answer": "a"} for q in ("a1", "a2", "a3")])
+    assert forget01_questions(cfg, first) == ["a1", "a2", "a3"]
+    assert forget01_questions(cfg, second) == ["b1"]
+
+
+def run_entry_point(*argv, timeout=120):
+    command = [str(Path(sys.executable).parent / "palu-train"), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_is_a_short_usage_and_hydras_stays_reachable():
+    result = run_entry_point("--help")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert len(lines) < 30, len(lines)
+    for option in (
+        "experiment=unlearn/tofu/palu",
+        "span_annotations=",
+        "min_initiating_tokens",
+        "TOFU_DIR=",
+        "+runtime=cpu",
+    ):
+        assert option in result.stdout, option
+    full = run_entry_point("--help-full")
+    assert full.returncode == 0 and "Powered by Hydra" in full.stdout and len(full.stdout.splitlines()) > 100
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
+def test_a_cpu_run_without_the_cpu_overlay_stops_before_loading(tmp_path):
+    result = run_entry_point(
+        "--config-name=unlearn.yaml",
+        "experiment=unlearn/tofu/palu",
+        f"paths.output_dir={tmp_path}",
+        "task_name=t",
+    )
+    assert result.returncode == 1
+    assert "palu-train: no CUDA device: add `+runtime=cpu` to the command line" in result.stderr
+    assert "division by zero" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="+runtime=cpu")
+def test_resuming_from_a_model_only_checkpoint_stops_before_loading(tmp_path):
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_text("")
+    result = run_entry_point(
+        "--config-name=unlearn.yaml",
+        "experiment=unlearn/tofu/default",
+        "trainer=NPO",
+        "+runtime=cpu",
+        f"paths.output_dir={tmp_path}",
+        f"+trainer.args.resume_from_checkpoint={checkpoint}",
+        "task_name=t",
+    )
+    assert result.returncode == 1
+    assert f"resume_from_checkpoint={checkpoint} holds no optimizer state" in result.stderr

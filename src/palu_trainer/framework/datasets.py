@@ -1,13 +1,20 @@
 """Forget-set dataset with per-token PALU roles, and the collator that pads them."""
 
 import logging
+import math
 
+import tokenizers
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.initiating import InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles, count_roles
-from palu_trainer.spans.format import AnnotationError, read_annotations, validate_annotations
+from palu_trainer.spans.format import (
+    AnnotationError,
+    read_annotations,
+    validate_annotations,
+    word_cut_warning,
+)
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402
@@ -25,6 +32,10 @@ class QAwithSpansDataset(QADataset):
     initiating policy (`palu_trainer.method.initiating.InitiatingPolicy`: N = `num_initiating_tokens`,
     `initiating_strategy`, `initiating_ratio`, `initiating_seed`, `merge_adjacent_spans`): roles are fixed
     here for the whole run.
+
+    `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
+    the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
+    training: it stops here. `auto` is one per 10 forget rows (rounded up); 0 allows it.
     """
 
     def __init__(
@@ -35,6 +46,7 @@ class QAwithSpansDataset(QADataset):
         initiating_ratio=0.5,
         initiating_seed=0,
         merge_adjacent_spans=False,
+        min_initiating_tokens="auto",
         *args,
         **kwargs,
     ):
@@ -50,9 +62,14 @@ class QAwithSpansDataset(QADataset):
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
         self.span_annotations = str(span_annotations)
         rows = read_annotations(self.span_annotations)
-        self.spans = validate_annotations(rows, self.data[self.answer_key], source=self.span_annotations)
+        answers = self.data[self.answer_key]
+        self.spans = validate_annotations(rows, answers, source=self.span_annotations)
+        warning = word_cut_warning(answers, self.spans, self.span_annotations)
+        if warning:
+            logger.warning(warning)
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
         self._log_summary()
+        self._check_initiating_tokens(min_initiating_tokens)
 
     def __getitem__(self, idx):
         return self.items[idx]
@@ -65,9 +82,11 @@ class QAwithSpansDataset(QADataset):
         text, answer_start = self._templated_text(row[self.question_key], row[self.answer_key])
         offsets = self._token_offsets(text, item["input_ids"].tolist(), position)
         answer_offsets = [(start - answer_start, end - answer_start) for start, end in offsets]
+        is_label = (item["labels"] != IGNORE_INDEX).tolist()
+        self._refuse_zero_width_offsets(item["input_ids"].tolist(), offsets, is_label, position)
         assignment = assign_token_roles(
             answer_offsets,
-            (item["labels"] != IGNORE_INDEX).tolist(),
+            is_label,
             self.spans[position],
             self.initiating_policy,
             row=int(row["index"]),
@@ -120,6 +139,45 @@ class QAwithSpansDataset(QADataset):
                 "gave other tokens than the framework's preprocessing; check template_args and the tokenizer"
             )
         return list(offsets) + [(0, 0)] * (len(input_ids) - len(ids))
+
+    def _refuse_zero_width_offsets(self, input_ids, offsets, is_label, position):
+        """Every non-special answer token must cover characters, or it gets no span role.
+
+        tokenizers 0.20.0 gives whole-word tokens of `ignore_merges` tokenizers (Llama-3) the offsets
+        (start, start) (tokenizers #1553, fixed in 0.20.1).
+        """
+        special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+        for token, (start, end), label in zip(input_ids, offsets, is_label):
+            if label and start == end and token not in special:
+                name = self.tokenizer.convert_ids_to_tokens(token)
+                raise AnnotationError(
+                    f"{self.span_annotations} row {position}: the tokenizer gives answer token {name!r} the "
+                    f"empty character range ({start}, {end}), so span roles cannot be placed (tokenizers "
+                    f"{tokenizers.__version__}; 0.20.0 does this to Llama-3-style tokenizers): install "
+                    "tokenizers>=0.20.1"
+                )
+
+    def _check_initiating_tokens(self, min_initiating_tokens):
+        if min_initiating_tokens == "auto":
+            min_initiating_tokens = math.ceil(len(self.items) / 10)
+        if (
+            isinstance(min_initiating_tokens, bool)
+            or not isinstance(min_initiating_tokens, int)
+            or min_initiating_tokens < 0
+        ):
+            raise ValueError(
+                f"min_initiating_tokens must be auto or an integer >= 0, got {min_initiating_tokens!r}"
+            )
+        found = sum(count_roles(item["token_roles"])["n_initiating"] for item in self.items)
+        if found < min_initiating_tokens:
+            dropped = sum(item["spans_dropped"] for item in self.items)
+            raise AnnotationError(
+                f"{self.span_annotations}: {found} initiating tokens in {len(self.items)} forget rows, fewer "
+                f"than min_initiating_tokens={min_initiating_tokens} ({sum(map(len, self.spans))} spans, "
+                f"{dropped} of them dropped by max_length={self.max_length}): "
+                "PALU's forget loss would be ~0 and the run retain-only training. Annotate the spans, raise "
+                "max_length, or set min_initiating_tokens=0 to train anyway"
+            )
 
     def _log_summary(self):
         roles = torch.cat([item["token_roles"] for item in self.items])

@@ -4,10 +4,13 @@
 first registers PALU and points hub dataset loads at local mirrors (`TOFU_DIR`).
 """
 
+import functools
+import hashlib
 import importlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -64,17 +67,40 @@ def dataset_loads(cfg, trail: str = ""):
             yield from dataset_loads(child, f"{trail}.{key}")
 
 
+def mirror_cache_dir(mirror_dir: Path) -> Path:
+    """A `datasets` cache folder for this mirror's current contents.
+
+    `datasets` caches a local folder under its base name: an edited file, or another mirror with the same
+    folder name, would be served from the old cache. The folder's path and its files' bytes key this one.
+    """
+    import datasets
+
+    digest = hashlib.sha1(str(mirror_dir).encode())
+    for path in sorted(mirror_dir.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return (
+        Path(datasets.config.HF_DATASETS_CACHE)
+        / "palu_mirrors"
+        / f"{mirror_dir.name}-{digest.hexdigest()[:16]}"
+    )
+
+
 def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
     """Point every load of a mirrored hub dataset at its local directory; return what changed.
 
-    Fails before anything loads when the directory lacks a config some load needs.
+    Fails before anything loads when the directory lacks a config some load needs. Each load gets the
+    mirror's own cache folder (`mirror_cache_dir`), so it reads the mirror's current files.
     """
+    from omegaconf import open_dict
+
     redirected = []
     for hub_id, variable in LOCAL_MIRRORS.items():
         if not environ.get(variable):
             continue
         mirror_dir = Path(environ[variable]).expanduser().resolve()
         available = read_configs(mirror_dir)
+        cache_dir = None
         for where, hf_args in dataset_loads(cfg):
             if hf_args.get("path") != hub_id:
                 continue
@@ -85,7 +111,10 @@ def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
                     f"It offers: {', '.join(sorted(available))}. Add that split to the mirror or "
                     "drop the metric/dataset that needs it."
                 )
-            hf_args.path = str(mirror_dir)
+            cache_dir = cache_dir or mirror_cache_dir(mirror_dir)
+            with open_dict(hf_args):
+                hf_args.path = str(mirror_dir)
+                hf_args.cache_dir = str(cache_dir)
             redirected.append(f"{where}: {name}")
     return redirected
 
@@ -109,17 +138,172 @@ def write_accelerate_config(directory: Path, num_processes: int, bf16: bool | st
     return directory / "accelerate.yaml"
 
 
+USAGE = """usage: {prog} [--config-name=NAME] [key=value ...]   (Hydra overrides of open-unlearning's configs)
+
+  open-unlearning's src/{script}.py with PALU registered and this plugin's configs/ on the search path.
+
+PALU on TOFU (palu-train --config-name=unlearn.yaml):
+  experiment=unlearn/tofu/palu        PALU trainer, span-annotated forget set, TOFU evaluation
+  forget_split=forget05 retain_split=retain95 holdout_split=holdout05
+  span_annotations=PATH               span file (default span_annotations/tofu_<forget_split>.jsonl)
+  num_initiating_tokens=3             N: leading tokens of each span that get the local entropy loss
+  min_initiating_tokens=auto          stop before training below this many initiating tokens
+                                      (auto: one per 10 forget rows; 0 allows retain-only training)
+  trainer.method_args.top_k=5000      K;  .kl_weight=1.0 (lambda);  .target=global_mean
+  trainer.method_args.reference_cache=auto   auto | true | false
+  +trainer.args.resume_from_checkpoint=DIR   resume (a checkpoint-N folder, or true for the last one)
+Baselines: experiment=unlearn/tofu/default trainer=NPO (SimNPO, GradDiff, ...)
+Machine and data:
+  +runtime=cpu                        required without CUDA (adamw_torch, fp32, no bf16, warm-up ratio)
+  model=tiny-llama                    small local models (set model.*_args.pretrained_model_name_or_path)
+  TOFU_DIR=/path/to/tofu              environment variable: read locuslab/TOFU from a local mirror
+Full help: {prog} --help-full (Hydra's help and every default), {prog} ... --cfg job (the composed config).
+"""
+
+
+def usage(prog: str, script: str) -> str:
+    """The short `--help` of palu-train/palu-eval."""
+    return USAGE.format(prog=prog, script=script)
+
+
+def cpu_runtime_missing(runtime_choice: str | None, cuda_available: bool) -> str | None:
+    """The error for a run without CUDA and without the `+runtime=cpu` overlay, else None.
+
+    Without it the framework's warm-up divides by the CUDA device count ("float floor division by
+    zero") and its optimizer and bf16 defaults need a GPU.
+    """
+    if cuda_available or runtime_choice == "cpu":
+        return None
+    return (
+        "no CUDA device: add `+runtime=cpu` to the command line (adamw_torch, fp32, no bf16, warm-up as a "
+        "ratio, device_map=cpu; configs/runtime/cpu.yaml)"
+    )
+
+
+def checkpoint_to_resume(resume_from_checkpoint, output_dir: str) -> str | None:
+    """The checkpoint folder `trainer.args.resume_from_checkpoint` names, checked to hold optimizer state.
+
+    `true` means the last `checkpoint-N` in `output_dir`. Fails before anything loads when there is none,
+    or when the checkpoint holds only the model (`save_only_model=true`), which cannot resume training.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume_from_checkpoint in (None, False, "", "false", "False"):
+        return None
+    if resume_from_checkpoint in (True, "true", "True"):
+        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if last is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=true: no checkpoint-N folder in {output_dir}; name one"
+            )
+        resume_from_checkpoint = last
+    checkpoint = Path(resume_from_checkpoint)
+    if not (checkpoint / "trainer_state.json").is_file():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={checkpoint}: not a Trainer checkpoint (no trainer_state.json)"
+        )
+    if not ((checkpoint / "optimizer.pt").is_file() or any(checkpoint.glob("global_step*"))):
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint} holds no optimizer state (saved with save_only_model=true, "
+            "the framework's default): it cannot resume. Save checkpoints with "
+            "trainer.args.save_only_model=false (PALU's config does)"
+        )
+    return str(checkpoint)
+
+
+FINAL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "pytorch_model*.bin",
+)
+
+
+def remove_stale_weights(output_dir: str) -> list[str]:
+    """Delete an earlier run's final weights from `output_dir` before training into it.
+
+    The framework writes them only after the last step: left in place, an interrupted run would leave
+    the old model beside its new checkpoints, looking finished.
+    """
+    stale = sorted({path for pattern in FINAL_WEIGHTS for path in Path(output_dir).glob(pattern)})
+    for path in stale:
+        path.unlink()
+    return [path.name for path in stale]
+
+
+def allow_numpy_rng_state() -> None:
+    """Let transformers 4.45 read a checkpoint's `rng_state.pth` under torch >= 2.6.
+
+    Its `torch.load` now defaults to weights_only=True, which rejects the numpy RNG state the Trainer
+    saved; later transformers allowlist these same numpy types.
+    """
+    import numpy
+    import torch
+
+    numpy_types = [
+        numpy._core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+        type(numpy.dtype(numpy.uint32)),
+    ]
+    torch.serialization.add_safe_globals(numpy_types)
+
+
+def _resuming(load_trainer, checkpoint: str | None):
+    """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`)."""
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        trainer, trainer_args = load_trainer(*args, **kwargs)
+        if trainer_args.do_train:
+            removed = remove_stale_weights(trainer_args.output_dir)
+            if removed:
+                logger.warning(
+                    "removed an earlier run's final weights from %s: %s", trainer_args.output_dir, removed
+                )
+        if checkpoint is not None:
+            logger.info("resuming from %s", checkpoint)
+            allow_numpy_rng_state()
+            trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
+        return trainer, trainer_args
+
+    return load
+
+
 def _run_framework_script(script: str, config_name: str) -> None:
     import hydra
+    import torch
+    from hydra.core.hydra_config import HydraConfig
 
+    prog = Path(sys.argv[0]).name
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage(prog, script), end="")
+        return
+    sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
     src = ensure_importable()
     register()
-    framework_main = importlib.import_module(script).main.__wrapped__
+    module = importlib.import_module(script)
+    framework_main = module.main.__wrapped__
+    load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
+        runtime = HydraConfig.get().runtime.choices.get("runtime")
+        problem = cpu_runtime_missing(runtime, torch.cuda.is_available())
+        if problem:
+            sys.exit(f"{prog}: {problem}")
         for line in redirect_to_local_mirrors(cfg):
             logger.info("local dataset mirror: %s", line)
+        if load_trainer is not None:
+            args = cfg.trainer.args
+            checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
+            model_path = cfg.model.model_args.get("pretrained_model_name_or_path")
+            if checkpoint and model_path and Path(model_path).resolve() == Path(checkpoint).resolve():
+                sys.exit(
+                    f"{prog}: resuming loads {checkpoint} itself; keep model.model_args."
+                    "pretrained_model_name_or_path at the model unlearning started from (the reference)"
+                )
+            module.load_trainer = _resuming(load_trainer, checkpoint)
         framework_main(cfg)
 
     main()

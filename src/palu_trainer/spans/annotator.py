@@ -432,5 +432,7 @@ def load_qa_rows(dataset: str, name: str | None = None, split: str = "train") ->
     from datasets import load_dataset  # heavy import, only for the commands that read datasets
 
     if Path(dataset).is_file():
+        if not Path(dataset).read_text(encoding="utf-8").strip():
+            return []  # `datasets` fails on an empty file with a generation error that names nothing
         return list(load_dataset("json", data_files=dataset, split="train"))
     return list(load_dataset(dataset, name=name, split=split))

@@ -2,12 +2,14 @@
 
 import argparse
 import json
+import sys
 
 from palu_trainer.spans.agreement import span_agreement, word_agreement
 from palu_trainer.spans.format import (
     AnnotationError,
     read_annotations,
     validate_annotations,
+    word_cut_warning,
     write_annotations,
 )
 from palu_trainer.spans.tpo import import_tpo, read_tpo
@@ -100,8 +102,11 @@ def _run_score(args):
 
 def _run_validate(args):
     answers = _dataset_answers(args)
-    validate_annotations(read_annotations(args.file), answers, source=args.file)
+    spans = validate_annotations(read_annotations(args.file), answers, source=args.file)
     print(f"{args.file}: {len(answers)} rows match the dataset")
+    warning = word_cut_warning(answers, spans, args.file)
+    if warning:
+        print(f"palu-annotate validate: warning: {warning}", file=sys.stderr)
 
 
 COMMANDS = {
@@ -123,11 +128,20 @@ def _load_rows(dataset, name, split) -> list[dict]:
 
 def _dataset_rows(args) -> list[dict]:
     rows = _load_rows(args.dataset, args.name, args.split)
-    missing = {args.question_key, args.answer_key} - set(rows[0] if rows else {})
+    if not rows:
+        raise AnnotationError(f"{args.dataset}: no rows (empty file or split); nothing to annotate")
+    missing = {args.question_key, args.answer_key} - set(rows[0])
     if missing:
         raise AnnotationError(
             f"{args.dataset}: rows have no {sorted(missing)}; name the keys with --question-key/--answer-key"
         )
+    for position, row in enumerate(rows):
+        for key in (args.question_key, args.answer_key):
+            if not isinstance(row[key], str):
+                raise AnnotationError(
+                    f"{args.dataset} row {position}, field {key!r}: {row[key]!r} is not text; "
+                    "fix or drop the row"
+                )
     return rows
 
 

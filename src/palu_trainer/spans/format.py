@@ -30,22 +30,29 @@ def read_annotations(path: str | Path) -> list[dict]:
             "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>`, or point the dataset's "
             "`span_annotations` argument at an existing file."
         )
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        raise AnnotationError(
+            f"{path}: a JSON array; annotation files are JSON lines, one object per row "
+            '(`{"index": 0, "answer_sha1": "...", "spans": [[21, 31]]}`)'
+        )
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise AnnotationError(f"{path} line {line_number}: not JSON ({error})") from None
-            missing = {"index", "answer_sha1", "spans"} - row.keys()
-            if missing:
-                raise AnnotationError(
-                    f"{path} line {line_number}: missing field(s) {sorted(missing)}; "
-                    "each line needs index, answer_sha1 and spans"
-                )
-            rows.append(row)
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise AnnotationError(f"{path} line {line_number}: not JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise AnnotationError(f"{path} line {line_number}: a {type(row).__name__}, not a JSON object")
+        missing = {"index", "answer_sha1", "spans"} - row.keys()
+        if missing:
+            raise AnnotationError(
+                f"{path} line {line_number}: missing field(s) {sorted(missing)}; "
+                "each line needs index, answer_sha1 and spans"
+            )
+        rows.append(row)
     return rows
 
 
@@ -56,7 +63,7 @@ def write_annotations(path: str | Path, answers: Sequence[str], spans: Sequence[
         row = {
             "index": index,
             "answer_sha1": fingerprint(answer),
-            "spans": sorted([int(start), int(end)] for start, end in row_spans),
+            "spans": sorted([start, end] for start, end in row_spans),
         }
         rows.append(row)
     validate_annotations(rows, answers, source=str(path))
@@ -70,8 +77,9 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
     """Check rows against the dataset's answers; return each row's spans as tuples.
 
     Raises AnnotationError naming the file, the row and what to do, on: a row count that differs,
-    an index out of order, a fingerprint that differs (another split, or shifted rows), a span out
-    of the answer's bounds, empty, unsorted or overlapping.
+    an index that is not the row's position, a fingerprint that differs (another split, or shifted
+    rows), spans that are not a list of [start, end] integer pairs, a span empty or reversed, out of
+    the answer's bounds, unsorted or overlapping.
     """
     if len(rows) != len(answers):
         raise AnnotationError(
@@ -81,6 +89,8 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
     all_spans = []
     for position, (row, answer) in enumerate(zip(rows, answers)):
         where = f"{source} row {position}"
+        if not _is_int(row["index"]):
+            raise AnnotationError(f"{where}, field 'index': {row['index']!r} is not an integer")
         if row["index"] != position:
             raise AnnotationError(
                 f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order"
@@ -91,9 +101,13 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
                 f"({row['answer_sha1'][:10]}… vs {fingerprint(answer)[:10]}…): the file belongs to "
                 "another split or its rows are shifted; regenerate it for this dataset"
             )
-        spans = [(int(start), int(end)) for start, end in row["spans"]]
+        spans = _span_pairs(row["spans"], f"{where}, field 'spans'")
         previous_end = 0
         for start, end in spans:
+            if start >= end:
+                raise AnnotationError(
+                    f"{where}, field 'spans': span [{start}, {end}) is empty or reversed (start >= end)"
+                )
             if not 0 <= start < end <= len(answer):
                 raise AnnotationError(
                     f"{where}: span [{start}, {end}) is out of range for an answer of "
@@ -107,6 +121,52 @@ def validate_annotations(rows: Sequence[dict], answers: Sequence[str], source: s
             previous_end = end
         all_spans.append(spans)
     return all_spans
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _span_pairs(spans, where: str) -> list[Span]:
+    """`[[start, end], ...]` as tuples; any other shape is an AnnotationError naming `where`."""
+    if not isinstance(spans, list):
+        raise AnnotationError(f'{where}: {spans!r} is not a list; a row without spans has `"spans": []`')
+    pairs = []
+    for number, span in enumerate(spans):
+        if isinstance(span, dict):
+            raise AnnotationError(
+                f"{where}[{number}]: {span!r} is an object; spans are [start, end] pairs "
+                "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
+            )
+        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
+            raise AnnotationError(
+                f"{where}[{number}]: {span!r} is not a [start, end] pair of integer character offsets"
+            )
+        pairs.append((span[0], span[1]))
+    return pairs
+
+
+def spans_inside_words(answer: str, spans: Iterable[Span]) -> int:
+    """Spans whose start or end falls inside a word ("Kuwait" in "Al-Kuwaiti"), where a token straddles it."""
+    return sum(
+        1
+        for start, end in spans
+        if (0 < start < len(answer) and answer[start - 1].isalnum() and answer[start].isalnum())
+        or (0 < end < len(answer) and answer[end - 1].isalnum() and answer[end].isalnum())
+    )
+
+
+def word_cut_warning(answers: Sequence[str], spans: Sequence[Sequence[Span]], source: str) -> str | None:
+    """A warning counting spans that cut through a word, naming the first rows; None when there are none."""
+    cut_rows = {row: n for row, (a, s) in enumerate(zip(answers, spans)) if (n := spans_inside_words(a, s))}
+    if not cut_rows:
+        return None
+    shown = ", ".join(str(row) for row in list(cut_rows)[:10]) + (", ..." if len(cut_rows) > 10 else "")
+    return (
+        f"{source}: {sum(cut_rows.values())} span(s) in {len(cut_rows)} row(s) start or end inside a word "
+        f"(rows {shown}); the token straddling the boundary gets the span's role. Move the boundary to the "
+        "word's edge if that is not intended"
+    )
 
 
 def merge_spans(spans: Iterable[Span]) -> list[Span]:

@@ -26,6 +26,11 @@ def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
 
     Returns the number of rows written.
     """
+    if Path(out_path).resolve() == Path(tpo_path).resolve():
+        raise AnnotationError(
+            f"{out_path}: the output is the input file; writing it would overwrite the TPO annotations. "
+            "Name another output file"
+        )
     answers, spans = read_tpo(tpo_path)
     write_annotations(out_path, answers, spans)
     return len(answers)

@@ -114,11 +114,24 @@ class PALUTrainer(GradDiff):
             return False
         return bool(reference_cache)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Resuming builds the reference cache first, from the weights handed to the trainer (the reference:
+        the model unlearning started from), before the checkpoint's weights replace them."""
+        if resume_from_checkpoint and self.uses_reference_cache and self.reference_cache is None:
+            if self.is_deepspeed_enabled:
+                raise RuntimeError(
+                    "resuming under DeepSpeed loads the checkpoint before the reference cache can be built: "
+                    "resume with trainer.method_args.reference_cache=false"
+                )
+            self.reference_cache = self._build_reference_cache(self.model)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
             raise RuntimeError(
                 f"the reference cache must come from the weights before unlearning, but training is at step "
-                f"{self.state.global_step} (resumed from a checkpoint?): resume with reference_cache=false"
+                f"{self.state.global_step}: resume through train(resume_from_checkpoint=...), which builds "
+                "it first, or with reference_cache=false"
             )
         forget = self.train_dataset.forget
         size = self.args.per_device_train_batch_size

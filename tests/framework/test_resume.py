@@ -1,0 +1,144 @@
+"""Resuming: an interrupted run continues to the weights of an uninterrupted one, through train.py's call."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.plugin import _resuming, checkpoint_to_resume, remove_stale_weights
+
+from ..conftest import TAG_TEMPLATE
+from .test_datasets import span_dataset
+
+ensure_importable()
+from data.unlearn import ForgetRetainDataset  # noqa: E402
+from trainer import load_trainer  # noqa: E402
+
+from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
+
+# 3 forget rows in batches of 2: 2 steps per epoch, checkpoint-2 at the end of epoch 1. From a checkpoint in
+# the middle of an epoch the first resumed batch draws other retain rows: the framework draws them with the
+# global RNG in __getitem__, and transformers restores the checkpoint's RNG only after fetching that batch.
+STEPS, SAVE_EVERY = 4, 2
+
+
+class CountSteps(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+class Interrupt(TrainerCallback):
+    """Ctrl-C during the step after a checkpoint."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == SAVE_EVERY + 1:
+            raise KeyboardInterrupt
+
+
+@pytest.fixture
+def palu_run(tmp_path, tiny_model_dir):
+    """A PALU trainer built by the framework's load_trainer, as train.py builds it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def build(output_dir, checkpoint=None, callbacks=(), **method_args):
+        forget = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
+        retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
+        trainer_cfg = OmegaConf.create(
+            {
+                "handler": "PALUTrainer",
+                "method_args": {"top_k": 64, **method_args},
+                "args": {
+                    "output_dir": str(output_dir),
+                    "max_steps": STEPS,
+                    "per_device_train_batch_size": 2,
+                    "learning_rate": 1e-2,
+                    "lr_scheduler_type": "linear",
+                    "save_strategy": "steps",
+                    "save_steps": SAVE_EVERY,
+                    "save_only_model": False,
+                    "logging_steps": 1,
+                    "report_to": "none",
+                    "use_cpu": True,
+                    "remove_unused_columns": False,
+                    "seed": 0,
+                },
+            }
+        )
+        trainer, _ = _resuming(load_trainer, checkpoint)(
+            trainer_cfg=trainer_cfg,
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
+            tokenizer=tokenizer,
+            data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
+            template_args=TAG_TEMPLATE,
+        )
+        for callback in callbacks:
+            trainer.add_callback(callback)
+        return trainer
+
+    return build
+
+
+@pytest.mark.parametrize("reference_cache", [True, False])
+def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run, reference_cache):
+    register()
+    torch.manual_seed(0)
+    uninterrupted = palu_run(tmp_path / "full", reference_cache=reference_cache)
+    uninterrupted.train()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.safetensors").write_bytes(b"an earlier run's final model")
+    torch.manual_seed(0)
+    interrupted = palu_run(tmp_path / "run", reference_cache=reference_cache, callbacks=[Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == [f"checkpoint-{SAVE_EVERY}"]
+    checkpoint = checkpoint_to_resume(True, str(tmp_path / "run"))
+    assert checkpoint.endswith(f"checkpoint-{SAVE_EVERY}")
+    torch.manual_seed(1)  # resuming restores the checkpoint's RNG state, whatever the process did before
+    trained = CountSteps()
+    resumed = palu_run(tmp_path / "run", checkpoint, reference_cache=reference_cache, callbacks=[trained])
+    resumed.train()  # as train.py calls it: no arguments
+    assert trained.steps == list(range(SAVE_EVERY + 1, STEPS + 1))
+    steps = [entry["step"] for entry in resumed.state.log_history if "local_loss" in entry]
+    assert steps == list(range(1, STEPS + 1))  # 1-3 from the checkpoint, 4-6 trained after resuming
+    full = dict(uninterrupted.model.named_parameters())
+    for name, parameter in resumed.model.named_parameters():
+        torch.testing.assert_close(parameter, full[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert [e.get("kl_loss") for e in resumed.state.log_history if "kl_loss" in e] == [
+        e.get("kl_loss") for e in uninterrupted.state.log_history if "kl_loss" in e
+    ]
+
+
+def register():
+    from palu_trainer.framework.plugin import register as register_palu
+
+    register_palu()
+
+
+def test_checkpoints_that_cannot_resume_are_refused(tmp_path):
+    assert checkpoint_to_resume(None, str(tmp_path)) is None
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint=true: no checkpoint-N folder in"):
+        checkpoint_to_resume(True, str(tmp_path))
+    model_only = tmp_path / "checkpoint-2"
+    model_only.mkdir()
+    with pytest.raises(FileNotFoundError, match="not a Trainer checkpoint"):
+        checkpoint_to_resume(str(model_only), str(tmp_path))
+    (model_only / "trainer_state.json").write_text("{}")
+    (model_only / "model.safetensors").write_text("")
+    with pytest.raises(ValueError, match=r"holds no optimizer state .*trainer\.args\.save_only_model=false"):
+        checkpoint_to_resume("true", str(tmp_path))
+    (model_only / "optimizer.pt").write_text("")
+    assert checkpoint_to_resume("true", str(tmp_path)) == str(model_only)
+
+
+def test_an_earlier_runs_final_weights_are_removed_before_training(tmp_path):
+    for name in ("model.safetensors", "model-00001-of-00002.safetensors", "config.json"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "model.safetensors").write_text("")
+    assert remove_stale_weights(str(tmp_path)) == ["model-00001-of-00002.safetensors", "model.safetensors"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-3", "config.json"]
