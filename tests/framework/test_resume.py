@@ -65,6 +65,7 @@ def palu_run(tmp_path, tiny_model_dir):
                     "use_cpu": True,
                     "remove_unused_columns": False,
                     "seed": 0,
+                    "do_train": True,  # as the framework's finetune.yaml
                 },
             }
         )

@@ -158,8 +158,9 @@ class QAwithSpansDataset(QADataset):
                 )
 
     def _check_initiating_tokens(self, min_initiating_tokens):
+        source = "set"
         if min_initiating_tokens == "auto":
-            min_initiating_tokens = math.ceil(len(self.items) / 10)
+            min_initiating_tokens, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
         if (
             isinstance(min_initiating_tokens, bool)
             or not isinstance(min_initiating_tokens, int)
@@ -169,6 +170,9 @@ class QAwithSpansDataset(QADataset):
                 f"min_initiating_tokens must be auto or an integer >= 0, got {min_initiating_tokens!r}"
             )
         found = sum(count_roles(item["token_roles"])["n_initiating"] for item in self.items)
+        logger.info(
+            "min_initiating_tokens=%d (%s); the forget set has %d", min_initiating_tokens, source, found
+        )
         if found < min_initiating_tokens:
             dropped = sum(item["spans_dropped"] for item in self.items)
             raise AnnotationError(
