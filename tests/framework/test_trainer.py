@@ -23,7 +23,13 @@ from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
 def make_trainer(tmp_path, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    def build(max_steps=3, num_initiating_tokens=3, collator=DataCollatorWithTokenRoles, **method_args):
+    def build(
+        max_steps=3,
+        num_initiating_tokens=3,
+        collator=DataCollatorWithTokenRoles,
+        trainer_class=PALUTrainer,
+        **method_args,
+    ):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         forget = span_dataset(
             tmp_path,
@@ -45,7 +51,7 @@ def make_trainer(tmp_path, tiny_model_dir):
             use_cpu=True,
             remove_unused_columns=False,
         )
-        return PALUTrainer(
+        return trainer_class(
             model=model,
             args=args,
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
