@@ -22,7 +22,7 @@ from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
 from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
@@ -225,10 +225,12 @@ class Demo:
     def unlearn_overrides(self, method: str, learning_rate: float, original_dir: Path, out_dir: Path):
         """The framework's train.py command line that unlearns Original with `method` (METHODS)."""
         spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
+        idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
         return [
             "--config-name=unlearn.yaml",
             *tofu_overrides(method),
             *spans,
+            *idk,
             *CPU_TRAINING,
             f"forget_split={self.benchmark.forget_split}",
             f"retain_split={self.benchmark.retain_split}",
@@ -326,10 +328,21 @@ def run(
         f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
         f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
         f"vocabulary {size.vocab_size}; every method unlearns Original for {size.unlearn_epochs} epochs, "
-        f"batch {size.unlearn_batch_size}, learning rates {list(size.learning_rates)}, stock defaults.",
+        f"batch {size.unlearn_batch_size}, learning rates {list(size.learning_rates)}, each method's "
+        "config defaults (the same tuning budget for all: the learning-rate grid only).",
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
+    notes += [
+        f"{name}: also {' '.join(METHODS[name].trainer_overrides)}."
+        for name in methods
+        if METHODS[name].trainer_overrides
+    ]
+    if any(METHODS[name].uses_idk_answers for name in methods):
+        notes.append(
+            f'"I don\'t know" answers: {len(IDK_ANSWERS)} phrasings written for this project to '
+            f"{benchmark.idk_answers} (the framework downloads its own from the hub, open-unlearning/idk)."
+        )
     if data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
