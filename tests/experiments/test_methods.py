@@ -85,3 +85,11 @@ def test_only_the_table_names_methods():
         assert not hasattr(module, "ALL_METHODS") and not hasattr(module, "EXPERIMENTS")
     bench_source = (ROOT / "perf" / "bench.py").read_text()
     assert '"NPO": (' not in bench_source and "METHODS = {" not in bench_source
+
+
+def test_report_notes_name_pdu_settings_and_the_local_idk_answers(tmp_path):
+    benchmark = TofuBenchmark(tmp_path, "forget10", "retain90", "holdout10", tmp_path / "s.jsonl", 32, "")
+    notes = demo.method_notes(side_by_side_methods(), benchmark)
+    assert any(note.startswith("PDU: also ") and "retain_loss_eps=0.3" in note for note in notes)
+    assert any(f"30 phrasings written for this project to {tmp_path / 'idk.jsonl'}" in note for note in notes)
+    assert demo.method_notes(("NPO", "TPO", "PALU"), benchmark) == []

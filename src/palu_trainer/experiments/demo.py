@@ -253,6 +253,21 @@ class Demo:
         return out_dir, seconds
 
 
+def method_notes(methods, benchmark: TofuBenchmark) -> list[str]:
+    """Report notes on what the methods' table entries add to their stock configs."""
+    notes = [
+        f"{name}: also {' '.join(METHODS[name].trainer_overrides)}."
+        for name in methods
+        if METHODS[name].trainer_overrides
+    ]
+    if any(METHODS[name].uses_idk_answers for name in methods):
+        notes.append(
+            f'"I don\'t know" answers: {len(IDK_ANSWERS)} phrasings written for this project to '
+            f"{benchmark.idk_answers} (the framework downloads its own from the hub, open-unlearning/idk)."
+        )
+    return notes
+
+
 def run(
     data: str,
     size_name: str,
@@ -333,16 +348,7 @@ def run(
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
-    notes += [
-        f"{name}: also {' '.join(METHODS[name].trainer_overrides)}."
-        for name in methods
-        if METHODS[name].trainer_overrides
-    ]
-    if any(METHODS[name].uses_idk_answers for name in methods):
-        notes.append(
-            f'"I don\'t know" answers: {len(IDK_ANSWERS)} phrasings written for this project to '
-            f"{benchmark.idk_answers} (the framework downloads its own from the hub, open-unlearning/idk)."
-        )
+    notes += method_notes(methods, benchmark)
     if data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
