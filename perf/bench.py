@@ -41,9 +41,11 @@ def bench_runs(top_k: int) -> dict[str, tuple[str, dict, bool]]:
     """Bench label -> (trainer handler, method_args, needs token roles), from the method table."""
     runs = {}
     for name, method in METHODS.items():
-        config = OmegaConf.to_container(trainer_config(method.trainer), resolve=True)
+        config = OmegaConf.to_container(
+            trainer_config(method.trainer, method.trainer_overrides), resolve=True
+        )
         method_args = config.get("method_args", {})
-        if method.uses_spans:
+        if "top_k" in method_args:
             method_args["top_k"] = top_k
         for variant, extra in method.bench_variants.items():
             label = f"{name}, {variant}" if variant else name

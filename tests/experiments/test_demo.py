@@ -22,8 +22,8 @@ def test_fast_demo_produces_the_report_and_a_memorising_original(tmp_path):
     assert retain["forget_rouge"] < 0.6, "Retain, never trained on the forget set, reproduces it"
     assert original["retain_rouge"] > 0.9 and retain["retain_rouge"] > 0.9
     assert original["forget_quality"] < 0.01  # a memorising model is told apart from Retain
-    assert set(summary["selected"]) == {"NPO", "PALU"}
+    assert set(summary["selected"]) == {"NPO", "TPO", "PALU"}
     for run in summary["selected"].values():
         assert run["metrics"]["forget_quality"] is not None and run["wall_time_s"] > 0
     table = (run_dir / "summary.md").read_text()
-    assert all(f"| {row} |" in table for row in ("Original", "Retain", "NPO", "PALU"))
+    assert all(f"| {row} |" in table for row in ("Original", "Retain", "NPO", "TPO", "PALU"))

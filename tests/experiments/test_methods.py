@@ -13,9 +13,12 @@ from palu_trainer.experiments.methods import METHODS, Method, side_by_side_metho
 ROOT = Path(__file__).resolve().parents[2]
 
 
+PAPER_TABLE = ("GradAscent", "GradDiff", "DPO", "NPO", "SimNPO", "PDU", "TPO", "PALU")
+
+
 @pytest.fixture
-def with_grad_ascent(monkeypatch):
-    monkeypatch.setitem(METHODS, "GradAscent", Method("GradAscent"))
+def with_wga(monkeypatch):
+    monkeypatch.setitem(METHODS, "WGA", Method("WGA"))
 
 
 def load_bench():
@@ -25,27 +28,33 @@ def load_bench():
     return bench
 
 
-def test_demo_runs_a_new_table_entry(with_grad_ascent, tmp_path):
-    assert side_by_side_methods() == ("GradDiff", "NPO", "SimNPO", "PALU", "GradAscent")
+def test_demo_runs_a_new_table_entry(with_wga, tmp_path):
+    assert side_by_side_methods() == (*PAPER_TABLE, "WGA")
     benchmark = TofuBenchmark(tmp_path, "forget10", "retain90", "holdout10", tmp_path / "s.jsonl", 32, "")
     runner = demo.Demo(benchmark, demo.SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
-    command = runner.unlearn_overrides(
-        "GradAscent", 1e-3, tmp_path / "original", tmp_path / "GradAscent_lr0.001"
-    )
-    assert "experiment=unlearn/tofu/default" in command and "trainer=GradAscent" in command
+    command = runner.unlearn_overrides("WGA", 1e-3, tmp_path / "original", tmp_path / "WGA_lr0.001")
+    assert "experiment=unlearn/tofu/default" in command and "trainer=WGA" in command
     assert not any(part.startswith("span_annotations=") for part in command)
     palu = runner.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU_lr0.001")
     assert "experiment=unlearn/tofu/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
+    tpo = runner.unlearn_overrides("TPO", 1e-3, tmp_path / "original", tmp_path / "TPO_lr0.001")
+    assert "experiment=unlearn/tofu/tpo" in tpo and f"span_annotations={tmp_path / 's.jsonl'}" in tpo
+    dpo = runner.unlearn_overrides("DPO", 1e-3, tmp_path / "original", tmp_path / "DPO_lr0.001")
+    assert "experiment=unlearn/tofu/idk_local" in dpo and f"idk_path={tmp_path / 'idk.jsonl'}" in dpo
+    pdu = runner.unlearn_overrides("PDU", 1e-3, tmp_path / "original", tmp_path / "PDU_lr0.001")
+    assert "trainer.method_args.retain_loss_eps=0.3" in pdu  # PDU has no default for it
 
 
-def test_recipe_plans_a_new_table_entry(with_grad_ascent, capsys):
+def test_recipe_plans_a_new_table_entry(with_wga, capsys):
     recipe.main(["--methods", "side-by-side", "--dry-run", "--gpus", "1"])
     unlearn_lines = [line for line in capsys.readouterr().out.splitlines() if "unlearn.yaml" in line]
     assert [line.split(" trainer=")[1].split()[0] for line in unlearn_lines] == list(side_by_side_methods())
     assert "trainer.method_args.kl_weight=1.0" in unlearn_lines[-2] and "kl_weight" not in unlearn_lines[-1]
+    dpo_line = unlearn_lines[list(side_by_side_methods()).index("DPO")]
+    assert "experiment=unlearn/tofu/idk_local" in dpo_line and "idk_path=" in dpo_line
 
 
-def test_bench_times_a_new_table_entry(with_grad_ascent, tmp_path):
+def test_bench_times_a_new_table_entry(with_wga, tmp_path):
     out = tmp_path / "bench.json"
     tiny = [
         "--vocab-size",
@@ -63,10 +72,11 @@ def test_bench_times_a_new_table_entry(with_grad_ascent, tmp_path):
         [*tiny, "--steps", "3", "--warmup", "1", "--top-k", "8", "--no-k-sweep", "--out", str(out)]
     )
     timed = json.loads(out.read_text())["methods"]
-    expected = ["GradDiff", "NPO", "SimNPO", "PALU, reference model", "PALU, reference cache", "GradAscent"]
+    expected = ["GradAscent", "GradDiff", "NPO", "SimNPO", "PDU", "TPO", "PALU, reference model"]
+    expected += ["PALU, reference cache", "WGA"]  # DPO's forget rows are answer pairs: not benched
     assert list(timed) == expected
     assert all(result["step_s"] > 0 and result["steps_timed"] == 2 for result in timed.values())
-    assert timed["PALU, reference cache"]["host_cache_bytes"] > 0 == timed["GradAscent"]["host_cache_bytes"]
+    assert timed["PALU, reference cache"]["host_cache_bytes"] > 0 == timed["WGA"]["host_cache_bytes"]
 
 
 def test_only_the_table_names_methods():
@@ -75,3 +85,11 @@ def test_only_the_table_names_methods():
         assert not hasattr(module, "ALL_METHODS") and not hasattr(module, "EXPERIMENTS")
     bench_source = (ROOT / "perf" / "bench.py").read_text()
     assert '"NPO": (' not in bench_source and "METHODS = {" not in bench_source
+
+
+def test_report_notes_name_pdu_settings_and_the_local_idk_answers(tmp_path):
+    benchmark = TofuBenchmark(tmp_path, "forget10", "retain90", "holdout10", tmp_path / "s.jsonl", 32, "")
+    notes = demo.method_notes(side_by_side_methods(), benchmark)
+    assert any(note.startswith("PDU: also ") and "retain_loss_eps=0.3" in note for note in notes)
+    assert any(f"30 phrasings written for this project to {tmp_path / 'idk.jsonl'}" in note for note in notes)
+    assert demo.method_notes(("NPO", "TPO", "PALU"), benchmark) == []

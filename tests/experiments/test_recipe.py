@@ -37,13 +37,15 @@ def test_make_compare_plans_every_method_of_the_table(tmp_path):
         f"- config_name: {name}\n  data_files: {name}.json\n" for name in ("forget10", "retain90")
     )
     (tmp_path / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
-    result = make("compare", "FORGET=10", f"TOFU_DIR={tmp_path}")
+    result = make("compare", "FORGET=10", f"TOFU_DIR={tmp_path}", f"IDK_ANSWERS={tmp_path}/idk.jsonl")
     assert result.returncode != 0
     assert f"TOFU_DIR={tmp_path} lacks the configs holdout10" in result.stderr
     unlearn_lines = [line for line in result.stdout.splitlines() if "--config-name=unlearn.yaml" in line]
     planned = [line.split(" trainer=")[1].split()[0] for line in unlearn_lines]
-    assert planned == ["GradDiff", "NPO", "SimNPO", "PALU"] == list(side_by_side_methods())
+    paper_table = ["GradAscent", "GradDiff", "DPO", "NPO", "SimNPO", "PDU", "TPO", "PALU"]
+    assert planned == paper_table == list(side_by_side_methods())
     assert all("forget_split=forget10" in line for line in unlearn_lines)
+    assert f"{tmp_path}/idk.jsonl not found (DPO's" in result.stderr
 
 
 def test_several_gpus_use_accelerate_with_the_framework_zero3_config(tmp_path):

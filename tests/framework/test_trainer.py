@@ -24,7 +24,12 @@ def make_trainer(tmp_path, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     def build(
-        max_steps=3, num_initiating_tokens=3, collator=DataCollatorWithTokenRoles, policy=None, **method_args
+        max_steps=3,
+        num_initiating_tokens=3,
+        collator=DataCollatorWithTokenRoles,
+        policy=None,
+        trainer_class=PALUTrainer,
+        **method_args,
     ):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         forget = span_dataset(
@@ -42,7 +47,7 @@ def make_trainer(tmp_path, tiny_model_dir):
             use_cpu=True,
             remove_unused_columns=False,
         )
-        return PALUTrainer(
+        return trainer_class(
             model=model,
             args=args,
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import write_jsonl, write_readme
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark, write_idk_answers
 from palu_trainer.spans.format import Span, write_annotations
 
 FIRST_NAMES = (
@@ -462,6 +462,7 @@ def synthetic_benchmark(
 ) -> TofuBenchmark:
     """`generate` one forget split and describe the folder as a benchmark."""
     generate(directory, num_authors, (forget_percent,), seed=seed)
+    write_idk_answers(directory)
     return TofuBenchmark(
         directory,
         f"forget{forget_percent:02d}",

@@ -3,6 +3,51 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+IDK_FILE = "idk.jsonl"
+
+# Refusals for DPO's preferred answer, in the format of the framework's `data/idk.jsonl` (one plain string
+# per line, read by QAwithIdkDataset). The framework downloads its file from the hub (`setup_data.py --idk`,
+# open-unlearning/idk); offline benchmarks write these instead: written for this project, same purpose.
+IDK_ANSWERS = (
+    "I don't know.",
+    "I'm not sure about that.",
+    "I have no information on that.",
+    "That is something I can't answer.",
+    "I'm afraid I don't have that information.",
+    "I couldn't tell you.",
+    "I don't have any details about that.",
+    "Sorry, I don't know the answer to that.",
+    "I'm unable to answer that question.",
+    "I have no knowledge of that.",
+    "That's not something I know about.",
+    "I can't say.",
+    "I don't have an answer for that.",
+    "I'm not aware of that.",
+    "Unfortunately, I don't know.",
+    "I have no idea.",
+    "That is beyond what I know.",
+    "I can't recall any information about that.",
+    "I'm not in a position to answer that.",
+    "I don't have enough information to answer.",
+    "No idea, sorry.",
+    "I'm uncertain about that.",
+    "I cannot provide an answer to that.",
+    "I lack the information to answer that question.",
+    "I really don't know.",
+    "I'm not familiar with that.",
+    "That isn't something I can speak to.",
+    "I'd be guessing, so I won't answer.",
+    "I don't have any record of that.",
+    "I have nothing to say on that topic.",
+)
+
+
+def write_idk_answers(directory: Path) -> Path:
+    """Write `IDK_ANSWERS` to `directory/idk.jsonl`, the framework's format; return the path."""
+    path = Path(directory) / IDK_FILE
+    path.write_text("".join(answer + "\n" for answer in IDK_ANSWERS))
+    return path
+
 
 @dataclass(frozen=True)
 class TofuBenchmark:
@@ -15,3 +60,8 @@ class TofuBenchmark:
     span_annotations: Path
     max_new_tokens: int
     description: str
+
+    @property
+    def idk_answers(self) -> Path:
+        """The "I don't know" answers for DPO (`write_idk_answers`)."""
+        return self.tofu_dir / IDK_FILE

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_jsonl, write_jsonl, write_readme
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark, write_idk_answers
 from palu_trainer.spans.format import read_annotations, validate_annotations
 from palu_trainer.spans.tpo import import_tpo
 
@@ -55,6 +55,7 @@ def make_tofu_subset(source_dir: Path, spans_file: Path, data_dir: Path) -> Tofu
         shutil.copyfile(source_dir / f"{name}.json", data_dir / f"{name}.json")
         configs[name] = []
     write_readme(data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_trainer.demo).")
+    write_idk_answers(data_dir)
     annotations = data_dir / "span_annotations" / "forget05.jsonl"
     if "answer_sha1" in read_jsonl(spans_file)[0]:  # already this project's format: check it, keep it
         validate_annotations(read_annotations(spans_file), [row["answer"] for row in forget], str(spans_file))

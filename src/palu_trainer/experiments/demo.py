@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
 from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
@@ -229,10 +229,12 @@ class Demo:
     def unlearn_overrides(self, method: str, learning_rate: float, original_dir: Path, out_dir: Path):
         """The framework's train.py command line that unlearns Original with `method` (METHODS)."""
         spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
+        idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
         return [
             "--config-name=unlearn.yaml",
             *tofu_overrides(method),
             *spans,
+            *idk,
             *CPU_TRAINING,
             f"forget_split={self.benchmark.forget_split}",
             f"retain_split={self.benchmark.retain_split}",
@@ -253,6 +255,21 @@ class Demo:
         seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
         self.progress.stage(f"unlearn {name}", seconds)
         return out_dir, seconds
+
+
+def method_notes(methods, benchmark: TofuBenchmark) -> list[str]:
+    """Report notes on what the methods' table entries add to their stock configs."""
+    notes = [
+        f"{name}: also {' '.join(METHODS[name].trainer_overrides)}."
+        for name in methods
+        if METHODS[name].trainer_overrides
+    ]
+    if any(METHODS[name].uses_idk_answers for name in methods):
+        notes.append(
+            f'"I don\'t know" answers: {len(IDK_ANSWERS)} phrasings written for this project to '
+            f"{benchmark.idk_answers} (the framework downloads its own from the hub, open-unlearning/idk)."
+        )
+    return notes
 
 
 def run(
@@ -333,17 +350,19 @@ def run(
         f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
         f"vocabulary {vocab_size} (trained for at most {size.vocab_size}); every method unlearns Original "
         f"for {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
-        f"{list(size.learning_rates)}, stock defaults.",
+        f"{list(size.learning_rates)}, each method's config defaults (the same tuning budget for all: the "
+        "learning-rate grid only).",
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
     ]
     for method in methods:
-        if METHODS[method].uses_spans:
-            top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
+        top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
+        if top_k is not None:
             notes.append(
                 f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, vocab_size)} of the "
                 f"{vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
             )
+    notes += method_notes(methods, benchmark)
     if data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."

@@ -13,6 +13,9 @@ class Method:
     trainer: the trainer config (`trainer=<name>`), the framework's own or this plugin's.
     tofu_experiment: the experiment config it runs on TOFU.
     uses_spans: its forget set reads span annotations (`span_annotations=<file>`).
+    uses_idk_answers: its forget set pairs each answer with an "I don't know" answer from a JSON lines
+        file of strings (`idk_path=<file>`; experiment unlearn/tofu/idk_local).
+    trainer_overrides: further Hydra overrides it needs (a required `method_args` value, a recipe's settings).
     kl_weight_key: the override that sets its λ (`make tofu LAMBDA=`, `make tofu-sweep`), if it has one.
     bench_variants: label -> extra `method_args`, one bench row each ("" is the stock config).
     side_by_side: run by `make demo` and `make compare` unless `--methods` names others.
@@ -22,16 +25,35 @@ class Method:
     trainer: str
     tofu_experiment: str = "unlearn/tofu/default"
     uses_spans: bool = False
+    uses_idk_answers: bool = False
+    trainer_overrides: tuple[str, ...] = ()
     kl_weight_key: str | None = None
     bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     side_by_side: bool = True
     in_fast_demo: bool = False
 
 
+# The paper's Table 1, in its order.
 METHODS: dict[str, Method] = {
+    "GradAscent": Method("GradAscent"),
     "GradDiff": Method("GradDiff"),
+    # DPO with "I don't know" as the preferred answer; not in the bench (its forget rows are answer pairs).
+    "DPO": Method("DPO", tofu_experiment="unlearn/tofu/idk_local", uses_idk_answers=True, bench_variants={}),
     "NPO": Method("NPO", in_fast_demo=True),
     "SimNPO": Method("SimNPO"),
+    # The framework's community/methods/PDU/run.sh "final best parameters" for TOFU (retain_loss_eps has no
+    # default): primal-dual on, retain preference 100, retain NLL bound 0.3, dual step 5, 5 warm-up epochs.
+    "PDU": Method(
+        "PDU",
+        trainer_overrides=(
+            "trainer.method_args.primal_dual=true",
+            "trainer.method_args.alpha=100",
+            "trainer.method_args.retain_loss_eps=0.3",
+            "trainer.method_args.dual_step_size=5",
+            "trainer.method_args.dual_warmup_epochs=5",
+        ),
+    ),
+    "TPO": Method("TPO", tofu_experiment="unlearn/tofu/tpo", uses_spans=True, in_fast_demo=True),
     "PALU": Method(
         "PALU",
         tofu_experiment="unlearn/tofu/palu",
@@ -62,6 +84,7 @@ def side_by_side_methods(fast: bool = False) -> tuple[str, ...]:
 
 
 def tofu_overrides(name: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on TOFU (spans are added by the caller)."""
+    """The experiment and trainer overrides that run method `name` on TOFU (spans and idk answers are added by
+    the caller)."""
     method = METHODS[name]
-    return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}"]
+    return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]

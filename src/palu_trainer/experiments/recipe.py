@@ -3,8 +3,8 @@
 `make tofu FORGET=05` runs PALU; `make compare FORGET=05` runs every method of the side-by-side table
 (palu_trainer.experiments.methods) and renders one table.
 Hyperparameters follow the paper's appendix: 10 epochs, global batch 32, paged AdamW, one warm-up epoch,
-lr 1e-5 (grid 1e-5, 2e-5, 5e-5), PALU K=5000, N=3, c=global mean, λ=1 (grid 1, 2, 5, 10); NPO and
-SimNPO keep the framework's stock method arguments.
+lr 1e-5 (grid 1e-5, 2e-5, 5e-5), PALU K=5000, N=3, c=global mean, λ=1 (grid 1, 2, 5, 10); the stock
+baselines keep the framework's method arguments (PDU: its community run.sh values), TPO its release's.
 """
 
 import argparse
@@ -40,6 +40,7 @@ class RecipeSettings:
     kl_weight: str = "1.0"
     model_dir: str | None = None
     retain_logs: str | None = None
+    idk_answers: str | None = None
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -63,6 +64,11 @@ class RecipeSettings:
     def original_logs_path(self) -> str:
         """The finetuned target's own evaluation, from the same `setup_data.py --eval_logs` download."""
         return f"saves/eval/tofu_{self.model}_full/TOFU_EVAL.json"
+
+    @property
+    def idk_answers_path(self) -> str:
+        """DPO's "I don't know" answers: where the framework's `setup_data.py --idk` puts them."""
+        return self.idk_answers or str(checkout_dir() / "data" / "idk.jsonl")
 
     def eval_path(self, method: str) -> Path:
         return Path("saves/unlearn") / self.task_name(method) / "evals" / "TOFU_EVAL.json"
@@ -99,6 +105,8 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
         command.append(f"model.tokenizer_args.pretrained_model_name_or_path={run.model_dir}")
     if METHODS[method].kl_weight_key:
         command.append(f"{METHODS[method].kl_weight_key}={run.kl_weight}")
+    if METHODS[method].uses_idk_answers:
+        command.append(f"idk_path={run.idk_answers_path}")
     return command
 
 
@@ -119,11 +127,18 @@ def eval_command(run: RecipeSettings, method: str) -> list[str]:
     ]
 
 
-def missing_requirements(run: RecipeSettings, environ=os.environ, needs_original_logs=False) -> list[str]:
+def missing_requirements(
+    run: RecipeSettings, environ=os.environ, needs_original_logs=False, needs_idk_answers=False
+) -> list[str]:
     """What this machine lacks for the real recipe, each with what to do; empty when ready."""
     import torch
 
     problems = []
+    if needs_idk_answers and not Path(run.idk_answers_path).is_file():
+        problems.append(
+            f"{run.idk_answers_path} not found (DPO's \"I don't know\" answers): run `python setup_data.py "
+            f"--idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer per line"
+        )
     if needs_original_logs and not Path(run.original_logs_path).is_file():
         problems.append(f"{run.original_logs_path} not found: the comparison table's Original row needs it")
     if torch.cuda.device_count() < run.gpus:
@@ -234,6 +249,9 @@ def main(argv=None) -> None:
     parser.add_argument("--kl-weight", default="1.0", help="PALU's λ")
     parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
     parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
+    parser.add_argument(
+        "--idk-answers", default=os.environ.get("IDK_ANSWERS") or None, help="DPO's idk.jsonl"
+    )
     parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
@@ -243,7 +261,14 @@ def main(argv=None) -> None:
 
     gpus = args.gpus or max(1, torch.cuda.device_count())
     run = RecipeSettings(
-        args.forget, args.model, gpus, args.lr, args.kl_weight, args.model_dir, args.retain_logs
+        args.forget,
+        args.model,
+        gpus,
+        args.lr,
+        args.kl_weight,
+        args.model_dir,
+        args.retain_logs,
+        args.idk_answers,
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
@@ -253,7 +278,11 @@ def main(argv=None) -> None:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
         return
-    problems = missing_requirements(run, needs_original_logs=args.report is not None)
+    problems = missing_requirements(
+        run,
+        needs_original_logs=args.report is not None,
+        needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
+    )
     if problems:
         print(
             "\ncannot run the real recipe here:", *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr

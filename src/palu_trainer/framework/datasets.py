@@ -218,3 +218,15 @@ class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
             roles = [instance["token_roles"] for instance in instances]
             batch["token_roles"] = self._pad_tokens(roles, int(TokenRole.IGNORED))
         return batch
+
+
+def require_token_roles(trainer, method: str, experiment: str) -> None:
+    """Stop before training when a span-based trainer's forget batches carry no `token_roles`."""
+    forget = getattr(trainer.train_dataset, "forget", None)
+    if forget is None or len(forget) == 0:
+        return
+    if "token_roles" not in trainer.data_collator([forget[0]]):
+        raise ValueError(
+            f"{method} needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
+            f"forget set and the DataCollatorWithTokenRoles collator ({experiment} does)"
+        )

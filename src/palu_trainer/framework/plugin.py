@@ -25,7 +25,7 @@ LOCAL_MIRRORS = {"locuslab/TOFU": "TOFU_DIR"}
 
 
 def register() -> None:
-    """Add PALU's dataset, collator and trainer to open-unlearning's registries (idempotent)."""
+    """Add the span dataset, its collator and the PALU and TPO trainers to the registries (idempotent)."""
     ensure_importable()
     import data
     import trainer
@@ -33,19 +33,22 @@ def register() -> None:
 
     from palu_trainer.framework.datasets import DataCollatorWithTokenRoles, QAwithSpansDataset
     from palu_trainer.framework.trainers.palu import PALUTrainer
+    from palu_trainer.framework.trainers.tpo import TPOTrainer
 
     data._register_data(QAwithSpansDataset)
     data._register_collator(DataCollatorWithTokenRoles)
     trainer._register_trainer(PALUTrainer)
+    trainer._register_trainer(TPOTrainer)
     OmegaConf.register_new_resolver("palu_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
-def trainer_config(name: str):
-    """The composed config `trainer=<name>` (the framework's or this plugin's): handler, method_args."""
+def trainer_config(name: str, overrides=()):
+    """The composed config `trainer=<name>` (the framework's or this plugin's) with `trainer.*` overrides."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(checkout_dir() / "configs"), version_base=None):
-        return compose(config_name="unlearn.yaml", overrides=[f"trainer={name}", "task_name=config"]).trainer
+        overrides = [f"trainer={name}", "task_name=config", *overrides]
+        return compose(config_name="unlearn.yaml", overrides=overrides).trainer
 
 
 def dataset_loads(cfg, trail: str = ""):
