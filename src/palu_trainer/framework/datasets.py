@@ -1,5 +1,6 @@
-"""Forget-set dataset with per-token PALU roles, and the collator that pads them."""
+"""Forget-set datasets with per-token PALU roles (QA rows, raw text), and the collator that pads them."""
 
+import difflib
 import logging
 
 import torch
@@ -11,33 +12,74 @@ from palu_trainer.spans.format import AnnotationError, read_annotations, validat
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402
+from data.pretraining import PretrainingDataset  # noqa: E402
 from data.qa import QADataset  # noqa: E402
-from data.utils import IGNORE_INDEX  # noqa: E402
+from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
-class QAwithSpansDataset(QADataset):
+class SpanRoles:
+    """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
+
+    The dataset owns the initiating policy (N = `num_initiating_tokens`): roles are fixed when it is
+    built, for the whole run. Subclasses fill `self.items` (dicts with `token_roles`, `spans_cut`,
+    `spans_dropped`) and call `_log_summary`.
+    """
+
+    def _read_spans(
+        self, span_annotations, num_initiating_tokens, texts, field
+    ) -> list[list[tuple[int, int]]]:
+        """Validate the file against the dataset's `field` values (answers or texts); return their spans."""
+        self.span_annotations = str(span_annotations)
+        self.initiating_policy = InitiatingPolicy(num_initiating_tokens)
+        rows = read_annotations(self.span_annotations, field)
+        return validate_annotations(rows, texts, source=self.span_annotations, field=field)
+
+    def __getitem__(self, idx):
+        return self.items[idx]
+
+    def __len__(self):
+        return len(self.items)
+
+    def _log_summary(self, unit: str, extra: str = ""):
+        roles = torch.cat([item["token_roles"] for item in self.items])
+        counts = count_roles(roles)
+        logger.info(
+            "%s: %d %s, %d spans (%d rows without a span), %d spans cut and %d dropped by max_length=%d%s; "
+            "%s; tokens: %d initiating, %d common, %d redundant",
+            self.span_annotations,
+            len(self.items),
+            unit,
+            sum(len(spans) for spans in self.spans),
+            sum(1 for spans in self.spans if not spans),
+            sum(item["spans_cut"] for item in self.items),
+            sum(item["spans_dropped"] for item in self.items),
+            self.max_length,
+            extra,
+            self.initiating_policy,
+            counts["n_initiating"],
+            counts["n_common"],
+            counts["n_redundant"],
+        )
+
+
+class QAwithSpansDataset(SpanRoles, QADataset):
     """open-unlearning's QADataset whose items also carry `token_roles` (T,) from span annotations.
 
     Spans are validated against the dataset and every row is tokenised once, here, so that a bad
-    file or a template/tokenizer mismatch stops the run before training starts. The dataset owns the
-    initiating policy (N = `num_initiating_tokens`): roles are fixed here for the whole run.
+    file or a template/tokenizer mismatch stops the run before training starts.
     """
 
     def __init__(self, span_annotations, num_initiating_tokens=3, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
-        self.span_annotations = str(span_annotations)
-        self.initiating_policy = InitiatingPolicy(num_initiating_tokens)
-        rows = read_annotations(self.span_annotations)
-        self.spans = validate_annotations(rows, self.data[self.answer_key], source=self.span_annotations)
+        self.spans = self._read_spans(
+            span_annotations, num_initiating_tokens, self.data[self.answer_key], field="answer"
+        )
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
-        self._log_summary()
-
-    def __getitem__(self, idx):
-        return self.items[idx]
+        self._log_summary("rows")
 
     def _item_with_roles(self, position: int) -> dict:
         row = self.data[position]
@@ -102,24 +144,138 @@ class QAwithSpansDataset(QADataset):
             )
         return list(offsets) + [(0, 0)] * (len(input_ids) - len(ids))
 
-    def _log_summary(self):
-        roles = torch.cat([item["token_roles"] for item in self.items])
-        counts = count_roles(roles)
-        logger.info(
-            "%s: %d rows, %d spans (%d rows without a span), %d spans cut and %d dropped by max_length=%d; "
-            "%s; tokens: %d initiating, %d common, %d redundant",
-            self.span_annotations,
-            len(self.items),
-            sum(len(spans) for spans in self.spans),
-            sum(1 for spans in self.spans if not spans),
-            sum(item["spans_cut"] for item in self.items),
-            sum(item["spans_dropped"] for item in self.items),
-            self.max_length,
-            self.initiating_policy,
-            counts["n_initiating"],
-            counts["n_common"],
-            counts["n_redundant"],
+
+class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
+    """open-unlearning's PretrainingDataset (MUSE's raw forget text) whose chunks carry `token_roles` (T,).
+
+    The framework joins the documents with "\\n\\n", tokenises the whole, cuts `max_length` tokens per
+    chunk, decodes each chunk to a string and tokenises that string again for training. Spans annotate
+    the documents (`text_sha1` files); here they are shifted into the joined text, each decoded chunk is
+    aligned back to the joined text it came from (identical in the common case, otherwise by matching
+    characters), and every final token gets the joined-text range of its characters, so roles are set on
+    the framework's own final tokens. A token none of whose characters can be placed in the joined text
+    (a byte-fallback or a multi-byte character cut at a chunk edge decodes to U+FFFD) gets no role
+    (IGNORED: no loss) and is counted; so are spans cut by a chunk edge (each part is a span of its own:
+    its first tokens in the chunk initiate it) and spans that lose tokens.
+    """
+
+    def __init__(
+        self,
+        hf_args,
+        template_args,
+        tokenizer,
+        span_annotations,
+        num_initiating_tokens=3,
+        text_key="text",
+        max_length=2048,
+    ):
+        super().__init__(hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length)
+        texts = list(load_hf_dataset(**hf_args)[text_key])
+        self.spans = self._read_spans(span_annotations, num_initiating_tokens, texts, field=text_key)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                f"{self.span_annotations}: placing spans on tokens needs a fast tokenizer (offset mapping); "
+                f"{type(tokenizer).__name__} is not one"
+            )
+        joined, joined_spans = join_with_spans(texts, self.spans)
+        encoding = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
+        self.stats = {
+            "spans_split": 0,
+            "tokens_unplaced": 0,
+            "span_tokens_unplaced": 0,
+            "chunks_realigned": 0,
+        }
+        self.items = [
+            self._chunk_with_roles(
+                index, joined, joined_spans, encoding["input_ids"], encoding["offset_mapping"]
+            )
+            for index in range(len(self.chunks))
+        ]
+        stats = self.stats
+        self._log_summary(
+            f"chunks of {len(texts)} documents",
+            f", {stats['spans_split']} split by a chunk edge; {stats['chunks_realigned']} chunks decode to "
+            f"other text than they cover, {stats['tokens_unplaced']} tokens ({stats['span_tokens_unplaced']} "
+            "in spans) could not be placed in the joined text and get no loss",
         )
+        if stats["tokens_unplaced"]:
+            logger.warning(
+                "%s: %d tokens could not be placed in the joined text (role IGNORED, no loss)",
+                self.span_annotations,
+                stats["tokens_unplaced"],
+            )
+
+    def _chunk_with_roles(self, index, joined, joined_spans, full_ids, full_offsets) -> dict:
+        length = self.max_length
+        window = slice(index * length, (index + 1) * length)
+        if self.tokenizer.decode(full_ids[window]) != self.chunks[index]:
+            raise AnnotationError(
+                f"{self.span_annotations}: chunk {index} differs from decoding its tokens of the joined "
+                "text; the framework's chunking changed, these roles would not fit its chunks"
+            )
+        chunk_offsets = full_offsets[window]
+        start, end = (chunk_offsets[0][0], chunk_offsets[-1][1]) if chunk_offsets else (0, 0)
+        item = PretrainingDataset.__getitem__(self, index)
+        item = {key: torch.as_tensor(value) for key, value in item.items()}
+        item["index"] = index
+        token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])
+        chunk_spans = [(max(a, start), min(b, end)) for a, b in joined_spans if a < end and b > start]
+        self.stats["spans_split"] += sum(1 for a, b in joined_spans if a < start < b)
+        assignment = assign_token_roles(
+            token_offsets, (item["labels"] != IGNORE_INDEX).tolist(), chunk_spans, self.initiating_policy
+        )
+        roles = assignment.roles
+        # An unplaced token sits where the previous placed one ends: inside a span if that point is.
+        self.stats["span_tokens_unplaced"] += sum(
+            1 for position in unplaced if any(a <= token_offsets[position][0] < b for a, b in chunk_spans)
+        )
+        roles[unplaced] = int(TokenRole.IGNORED)
+        item["token_roles"] = roles
+        item["spans_cut"] = assignment.spans_cut
+        item["spans_dropped"] = assignment.spans_dropped
+        return item
+
+    def _joined_offsets(self, index, covered: str, covered_start: int, input_ids) -> tuple[list, list[int]]:
+        """Each final token's character range in the joined text, and the positions that cannot be placed."""
+        chunk = self.chunks[index]
+        encoding = self.tokenizer(chunk, add_special_tokens=True, return_offsets_mapping=True)
+        ids = input_ids.tolist()
+        if encoding["input_ids"][: len(ids)] != ids:
+            raise AnnotationError(
+                f"{self.span_annotations}: chunk {index}: tokenising it with offsets gave other tokens "
+                "than the framework's preprocessing; check the tokenizer"
+            )
+        to_joined = list(range(covered_start, covered_start + len(chunk)))
+        if chunk != covered:
+            self.stats["chunks_realigned"] += 1
+            to_joined = [-1] * len(chunk)
+            matcher = difflib.SequenceMatcher(None, chunk, covered, autojunk=False)
+            for block in matcher.get_matching_blocks():
+                for step in range(block.size):
+                    to_joined[block.a + step] = covered_start + block.b + step
+        offsets, unplaced, previous_end = [], [], covered_start
+        for position, (start, end) in enumerate(encoding["offset_mapping"][: len(ids)]):
+            placed = [to_joined[char] for char in range(start, end) if to_joined[char] >= 0]
+            if end > start and not placed and position > 0:
+                unplaced.append(position)
+                offsets.append((previous_end, previous_end))
+                continue
+            if placed:
+                previous_end = placed[-1] + 1
+                offsets.append((placed[0], previous_end))
+            else:
+                offsets.append((previous_end, previous_end))
+        self.stats["tokens_unplaced"] += len(unplaced)
+        return offsets, unplaced
+
+
+def join_with_spans(texts, spans) -> tuple[str, list[tuple[int, int]]]:
+    """The framework's joined text ("\\n\\n" between documents) and the documents' spans shifted into it."""
+    joined_spans, offset = [], 0
+    for text, text_spans in zip(texts, spans):
+        joined_spans += [(start + offset, end + offset) for start, end in text_spans]
+        offset += len(text) + 2
+    return "\n\n".join(texts), joined_spans
 
 
 class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
