@@ -29,8 +29,12 @@ def write_readme(directory: Path, config_names: Sequence[str], description: str)
     (directory / "README.md").write_text(text, encoding="utf-8")
 
 
-def read_configs(directory: Path) -> set[str]:
-    """Config names a local dataset folder offers, from its README's Hugging Face YAML header."""
+def read_configs(directory: Path) -> dict[str, set[str]]:
+    """Config names a local dataset folder offers, with their splits, from its README's YAML header.
+
+    `data_files` as a path (or list of paths) is the single split `train`; as a list of
+    `{split, path}` entries (MUSE's layout), those splits.
+    """
     readme = directory / "README.md"
     if not readme.is_file():
         raise FileNotFoundError(
@@ -38,4 +42,10 @@ def read_configs(directory: Path) -> set[str]:
         )
     header = readme.read_text(encoding="utf-8").split("---")
     configs = yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
-    return {config["config_name"] for config in configs}
+    return {config["config_name"]: _splits(config.get("data_files")) for config in configs}
+
+
+def _splits(data_files) -> set[str]:
+    if isinstance(data_files, list) and data_files and isinstance(data_files[0], dict):
+        return {entry["split"] for entry in data_files}
+    return {"train"}

@@ -293,7 +293,7 @@ def classify(
 
 def _join_amounts(tokens: Sequence[Token], kinds: list[str]) -> None:
     """Currency signs before a number and units after it become part of it: "£4.5m", "12 per cent"."""
-    for position, token in enumerate(tokens):
+    for position in range(len(tokens)):
         if kinds[position] != NUMBER:
             continue
         if position and tokens[position - 1].text in CURRENCY_SIGNS:

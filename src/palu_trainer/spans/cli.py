@@ -84,8 +84,9 @@ def _run_annotate(args):
         for dataset, name in ((args.dataset, args.name), (args.background, args.background_name)):
             if name in EVALUATION_CONFIGS:
                 raise AnnotationError(
-                    f"{dataset} config {name!r} is an evaluation set (MUSE's {', '.join(EVALUATION_CONFIGS)}): "
-                    "annotating or reading it would tune spans on what measures the unlearning"
+                    f"{dataset} config {name!r} is an evaluation set (MUSE's "
+                    f"{', '.join(EVALUATION_CONFIGS)}): annotating or reading it would tune spans on what "
+                    "measures the unlearning"
                 )
         texts = [row[args.text_key] for row in rows]
         spans = annotate_texts(texts, Background(row[args.text_key] for row in background_rows))
