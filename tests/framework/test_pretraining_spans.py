@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from palu_trainer.experiments.tiny import BOS, EOS, PAD, train_bpe_tokenizer
+from palu_trainer.experiments.tiny import BOS, EOS, PAD, as_llama_style, train_bpe_tokenizer
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.roles import TokenRole
 from palu_trainer.spans.format import AnnotationError, read_annotations, write_annotations
@@ -33,16 +33,7 @@ def sentencepiece_style_tokenizer(texts, vocab_size=600) -> PreTrainedTokenizerF
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        clean_up_tokenization_spaces=False,
-    )
+    return as_llama_style(tokenizer)
 
 
 @pytest.fixture(scope="module")
