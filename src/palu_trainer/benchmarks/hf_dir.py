@@ -23,10 +23,15 @@ def write_jsonl(path: Path, rows: Sequence[dict], keys: Sequence[str]) -> None:
 
 def write_readme(directory: Path, config_names: Sequence[str], description: str) -> None:
     """The Hugging Face README header that makes `load_dataset(directory, name=...)` work."""
-    header = {"configs": [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]}
-    header["configs"][0]["default"] = True
-    text = "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n\n" + description + "\n"
-    (directory / "README.md").write_text(text, encoding="utf-8")
+    configs = [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]
+    configs[0]["default"] = True
+    write_configs_readme(directory, configs, description)
+
+
+def write_configs_readme(directory: Path, configs: Sequence[dict], description: str) -> None:
+    """A README whose YAML header lists `configs` as the hub does (`config_name`, `data_files`)."""
+    header = yaml.safe_dump({"configs": list(configs)}, sort_keys=False)
+    (directory / "README.md").write_text(f"---\n{header}---\n\n{description}\n", encoding="utf-8")
 
 
 def read_configs(directory: Path) -> dict[str, set[str]]:
