@@ -17,6 +17,7 @@ class Method:
     bench_variants: label -> extra `method_args`, one bench row each ("" is the stock config).
     side_by_side: run by `make demo` and `make compare` unless `--methods` names others.
     in_fast_demo: run by `make demo FAST=1` (and so by `make test`).
+    muse_experiment: the experiment config it runs on MUSE.
     """
 
     trainer: str
@@ -26,6 +27,7 @@ class Method:
     bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     side_by_side: bool = True
     in_fast_demo: bool = False
+    muse_experiment: str = "unlearn/muse/default"
 
 
 METHODS: dict[str, Method] = {
@@ -42,6 +44,7 @@ METHODS: dict[str, Method] = {
             "reference cache": {"reference_cache": True},
         },
         in_fast_demo=True,
+        muse_experiment="unlearn/muse/palu",
     ),
 }
 
@@ -57,3 +60,9 @@ def tofu_overrides(name: str) -> list[str]:
     """The experiment and trainer overrides that run method `name` on TOFU (spans are added by the caller)."""
     method = METHODS[name]
     return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}"]
+
+
+def muse_overrides(name: str) -> list[str]:
+    """The experiment and trainer overrides that run method `name` on MUSE (spans are added by the caller)."""
+    method = METHODS[name]
+    return [f"experiment={method.muse_experiment}", f"trainer={method.trainer}"]
