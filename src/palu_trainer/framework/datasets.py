@@ -288,6 +288,14 @@ class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
         super().__init__(tokenizer, padding_side=padding_side, index=index)
 
     def __call__(self, instances):
+        if "input_ids" in instances[0] and self.index and self.index not in instances[0]:
+            # the framework's PretrainingDataset chunks (MUSE's retain set) carry no row index, and only
+            # forget rows need one; the stock collator would refuse the batch
+            index, self.index = self.index, None
+            try:
+                return super().__call__(instances)
+            finally:
+                self.index = index
         batch = super().__call__(instances)
         if "token_roles" in instances[0]:
             roles = [instance["token_roles"] for instance in instances]
