@@ -21,11 +21,20 @@ LR ?= 1e-5
 LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS IDK_ANSWERS
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+# The MUSE recipe (make muse SPLIT=News, make compare BENCH=muse): the framework's MUSE target and settings;
+# MUSE_DIR mirrors muse-bench/MUSE-News offline.
+SPLIT ?= News
+MUSE_MODEL ?= Llama-2-7b-hf
+export MUSE_DIR
+MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SPLIT) --model $(MUSE_MODEL) \
+	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 
 # make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
+# make demo BENCH=muse [FAST=1] [MUSE_DIR=...]: the MUSE-News miniature (default MUSE_DIR: $(SHARED)/data/muse_news)
+BENCH ?= tofu
 DATA ?= synthetic
 
-.PHONY: setup test lint format tofu compare tofu-sweep demo bench
+.PHONY: setup test lint format tofu muse compare tofu-sweep demo bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -46,14 +55,23 @@ bench:
 	$(PY) perf/bench.py --out results/bench.json
 
 demo:
-	$(PY) -m palu_trainer.experiments.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
-		$(if $(JOBS),--jobs $(JOBS)) $(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
+	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) --data $(DATA) $(if $(FAST),--fast) \
+		$(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
+		$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu)) \
+		$(if $(filter muse,$(BENCH)),--muse-dir $(or $(MUSE_DIR),$(SHARED)/data/muse_news))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
 
+muse:
+	$(MUSE_RECIPE) --kl-weight $(LAMBDA) --methods PALU
+
 compare:
+ifeq ($(BENCH),muse)
+	$(MUSE_RECIPE) --kl-weight $(LAMBDA) --methods side-by-side --report results/compare_muse_$(SPLIT)_$(MUSE_MODEL)
+else
 	$(RECIPE) --kl-weight $(LAMBDA) --methods side-by-side --report results/compare_forget$(FORGET)_$(MODEL)
+endif
 
 # The paper's grid for PALU: lr x lambda.
 tofu-sweep:

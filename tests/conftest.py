@@ -35,6 +35,18 @@ def shared_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def muse_news_dir(shared_dir) -> Path:
+    """../shared/data/muse_news, a partial MUSE-News in the hub's layout."""
+    path = shared_dir / "data" / "muse_news"
+    if not (path / "README.md").is_file():
+        message = f"MUSE-News data not found at {path}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tofu_dir(shared_dir) -> Path:
     return shared_dir / "data" / "tofu"
 

@@ -32,7 +32,7 @@ def rows(directory, name):
 
 
 def test_configs_load_like_tofu(benchmark):
-    assert STOCK_CONFIGS <= read_configs(benchmark)
+    assert STOCK_CONFIGS <= set(read_configs(benchmark))
     for name in read_configs(benchmark):
         loaded = datasets.load_dataset(str(benchmark), name=name, split="train")
         assert len(loaded) == len(rows(benchmark, name)) > 0

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from palu_trainer.benchmarks.muse_subset import MuseBenchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import demo, methods, recipe
 from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
+from palu_trainer.spans.agreement import Agreement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,3 +95,18 @@ def test_report_notes_name_pdu_settings_and_the_local_idk_answers(tmp_path):
     assert any(note.startswith("PDU: also ") and "retain_loss_eps=0.3" in note for note in notes)
     assert any(f"30 phrasings written for this project to {tmp_path / 'idk.jsonl'}" in note for note in notes)
     assert demo.method_notes(("NPO", "TPO", "PALU"), benchmark) == []
+
+
+def test_muse_demo_runs_table_entries_on_muse(with_grad_ascent, tmp_path):
+    benchmark = MuseBenchmark(tmp_path, tmp_path / "s.jsonl", {}, "", Agreement(1, 0, 0))
+    runner = demo.MuseDemo(benchmark, demo.MUSE_SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
+    assert runner.env["MUSE_DIR"] == str(tmp_path)
+    length = demo.MUSE_SIZES["fast"].max_length
+    command = runner.unlearn_overrides("GradAscent", 1e-3, tmp_path / "original", tmp_path / "GA")
+    assert "experiment=unlearn/muse/default" in command and "trainer=GradAscent" in command
+    assert f"data.forget.MUSE_forget.args.max_length={length}" in command
+    assert not any(part.startswith("span_annotations=") for part in command)
+    palu = runner.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU")
+    assert "experiment=unlearn/muse/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
+    assert f"data.forget.MUSE_forget_spans.args.max_length={length}" in palu
+    assert f"data.retain.MUSE_retain.args.max_length={length}" in palu

@@ -95,3 +95,31 @@ def test_compare_renders_one_table_from_the_framework_evaluations(tmp_path, monk
     table = paths["summary.md"].read_text()
     assert "| PALU | 0.01 |" in table and "| 120 s |" in table
     assert paths["plot"].stat().st_size > 10_000
+
+
+def test_make_muse_prints_the_muse_plan_then_fails_fast(tmp_path):
+    result = make("muse", "SPLIT=News")
+    assert result.returncode == 2
+    assert (
+        "palu-train --config-name=unlearn.yaml experiment=unlearn/muse/palu trainer=PALU model=Llama-2-7b-hf "
+        "data_split=News task_name=muse_Llama-2-7b-hf_News_PALU_lr1e-5_lambda1.0 "
+        "model.model_args.pretrained_model_name_or_path=muse-bench/MUSE-News_target"
+    ) in result.stdout
+    assert "palu-eval experiment=eval/muse/default model=Llama-2-7b-hf data_split=News" in result.stdout
+    assert "CUDA GPU(s) needed, 0 visible" in result.stderr
+    assert "model muse-bench/MUSE-News_target" in result.stderr
+    assert "dataset muse-bench/MUSE-News: not cached" in result.stderr and "set MUSE_DIR" in result.stderr
+    assert "retain model logs saves/eval/muse_Llama-2-7b-hf_News_retrain/MUSE_EVAL.json" in result.stderr
+
+
+def test_make_compare_bench_muse_plans_every_method_and_names_missing_mirror_splits(muse_news_dir):
+    result = make("compare", "BENCH=muse", f"MUSE_DIR={muse_news_dir}")
+    assert result.returncode == 2
+    # the local copy has no retain articles and no raw holdout: named before anything runs
+    assert f"MUSE_DIR={muse_news_dir} lacks raw/retain1" in result.stderr
+    unlearn_lines = [line for line in result.stdout.splitlines() if "--config-name=unlearn.yaml" in line]
+    planned = [line.split(" trainer=")[1].split()[0] for line in unlearn_lines]
+    assert planned == list(side_by_side_methods())
+    experiments = [line.split(" experiment=")[1].split()[0] for line in unlearn_lines]
+    assert experiments == ["unlearn/muse/palu" if m == "PALU" else "unlearn/muse/default" for m in planned]
+    assert all("data_split=News" in line for line in unlearn_lines)

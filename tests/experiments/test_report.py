@@ -58,3 +58,37 @@ def test_write_report_makes_table_json_and_png(tmp_path):
     summary = json.loads(paths["summary.json"].read_text())
     assert summary["selected"]["PALU"]["params"] == {"lr": 1e-3} and summary["stage_times_s"] == {"x": 1}
     assert paths["plot"].read_bytes().startswith(b"\x89PNG")
+
+
+def muse_eval(tmp_path, name, verbmem, retain_knowmem):
+    logs = {
+        "forget_verbmem_ROUGE": {"agg_value": verbmem},
+        "forget_knowmem_ROUGE": {"agg_value": 0.4},
+        "retain_knowmem_ROUGE": {"agg_value": retain_knowmem},
+        "privleak": {"agg_value": -40.0},
+        "extraction_strength": {"agg_value": 0.2},
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(logs))
+    return path
+
+
+def test_muse_report_selects_the_lowest_verbmem_that_keeps_retain_knowledge(tmp_path):
+    run = lambda name, verbmem, knowmem, lr: report.run_from_eval(  # noqa: E731
+        muse_eval(tmp_path, name, verbmem, knowmem), 10.0, {"lr": lr}, report.MUSE
+    )
+    references = {"Original": run("original", 0.95, 0.8, 0), "Retain": run("retain", 0.1, 0.8, 0)}
+    grids = {
+        # the lowest VerbMem (0.0) lost the retain knowledge: below 80% of 0.8, not selected
+        "NPO": [run("npo1", 0.0, 0.1, 1e-3), run("npo2", 0.5, 0.7, 1e-4)],
+        "PALU": [run("palu1", 0.3, 0.75, 1e-3)],
+    }
+    paths = report.write_report(tmp_path / "out", references, grids, "t", scorecard=report.MUSE)
+    summary = json.loads(paths["summary.json"].read_text())
+    assert list(summary["selected"]) == ["PALU", "NPO"]  # ranked by VerbMem, lowest first
+    assert summary["selected"]["NPO"]["params"] == {"lr": 1e-4}
+    assert summary["references"]["Original"]["metrics"]["privleak"] == -40.0
+    table = paths["summary.md"].read_text()
+    assert "| VerbMem forget ↓ | KnowMem forget ↓ | KnowMem retain ↑ |" in table
+    assert "| PALU | 0.300 | 0.400 | 0.750 | -40.0 | 0.200 | 10 s |" in table
+    assert paths["plot"].name == "knowmem_vs_verbmem.png" and paths["plot"].stat().st_size > 10_000

@@ -171,6 +171,21 @@ def test_collator_pads_roles_with_ignored(tmp_path, tokenizer):
     assert batch["index"].tolist() == [0, 2]
 
 
+def test_collator_takes_retain_chunks_without_an_index(tmp_path, tokenizer):
+    """MUSE's stock retain set (PretrainingDataset chunks) has no row index; forget rows keep theirs."""
+    import torch
+
+    from palu_trainer.framework.datasets import DataCollatorWithTokenRoles
+
+    dataset = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
+    chunk = {"input_ids": torch.tensor([1, 5, 6]), "labels": torch.tensor([-100, 5, 6])}
+    chunk["attention_mask"] = torch.ones(3, dtype=torch.long)
+    collator = DataCollatorWithTokenRoles(tokenizer, index="index")
+    batch = collator([{"forget": dataset[0], "retain": chunk}, {"forget": dataset[1], "retain": chunk}])
+    assert "index" not in batch["retain"] and batch["retain"]["input_ids"].shape == (2, 3)
+    assert batch["forget"]["index"].tolist() == [0, 1] and collator.index == "index"
+
+
 def test_gpt4o_spans_on_tofu_forget05_first_100_rows(tmp_path, any_tokenizer, shared_dir, tofu_dir):
     """Every span's first tokens initiate it, with byte-level, SentencePiece and Llama-3-style tokenizers."""
     from palu_trainer.framework.datasets import QAwithSpansDataset

@@ -176,3 +176,35 @@ def test_resuming_from_a_model_only_checkpoint_stops_before_loading(tmp_path):
     )
     assert result.returncode == 1
     assert f"resume_from_checkpoint={checkpoint} holds no optimizer state" in result.stderr
+
+
+def test_muse_palu_experiment_reads_raw_text_with_spans_and_the_stock_muse_eval():
+    cfg = compose_unlearn(["experiment=unlearn/muse/palu", "task_name=t"])
+    forget = cfg.data.forget.MUSE_forget_spans
+    assert forget.handler == "PretrainingWithSpansDataset" and forget.args.text_key == "text"
+    assert forget.args.span_annotations.endswith("span_annotations/muse_news_forget.jsonl")
+    assert forget.args.hf_args.path == "muse-bench/MUSE-News" and forget.args.hf_args.split == "forget"
+    assert cfg.data.retain.MUSE_retain.args.hf_args.split == "retain1"
+    assert cfg.trainer.handler == "PALUTrainer" and cfg.eval.muse.handler == "MUSEEvaluator"
+    assert cfg.collator.DataCollatorWithTokenRoles.handler == "DataCollatorWithTokenRoles"
+
+
+def test_muse_dir_redirects_muse_news_loads_and_names_a_missing_split(muse_news_dir, tmp_path):
+    cfg = compose_unlearn(["experiment=unlearn/muse/palu", "task_name=t"])
+    # The local copy lacks raw/retain1: the run stops before loading anything, naming it.
+    with pytest.raises(
+        FileNotFoundError, match=r"no dataset config 'raw' with split 'retain1', needed by data\.retain"
+    ):
+        redirect_to_local_mirrors(cfg, {"MUSE_DIR": str(muse_news_dir)})
+    retain_from_privleak = compose_unlearn(
+        [
+            "experiment=unlearn/muse/palu",
+            "task_name=t",
+            "retain_split=retain",
+            "data.retain.MUSE_retain.args.hf_args.name=privleak",
+        ]
+    )
+    changed = redirect_to_local_mirrors(retain_from_privleak, {"MUSE_DIR": str(muse_news_dir)})
+    assert any(line.startswith("data.forget.MUSE_forget_spans") for line in changed)
+    assert any("forget_knowmem_ROUGE" in line and "few_shot_dataset_hf_args" in line for line in changed)
+    assert [hf.path for _, hf in dataset_loads(retain_from_privleak) if "muse-bench" in str(hf.path)] == []

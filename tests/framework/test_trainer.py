@@ -133,6 +133,24 @@ def test_cache_refuses_weights_past_the_first_step(make_trainer):
         trainer.compute_loss(trainer.model, batch)
 
 
+def test_cache_estimate_is_the_built_cache_and_auto_falls_back_above_the_budget(make_trainer, caplog):
+    from palu_trainer.method.reference_cache import estimated_nbytes
+
+    trainer = make_trainer(max_steps=1, top_k=64)
+    trainer.train()
+    roles = [item["token_roles"] for item in trainer.train_dataset.forget.items]
+    assert estimated_nbytes(roles, 64, trainer.model.config.vocab_size, torch.float32) == (
+        trainer.reference_cache.nbytes
+    )
+    budget_gib = trainer.reference_cache.nbytes / 2**30 * 0.99
+    with caplog.at_level(logging.INFO, logger="palu_trainer.framework.trainers.palu"):
+        over = make_trainer(top_k=64, reference_cache_max_gib=budget_gib)
+    assert not over.uses_reference_cache and over.ref_model is not None
+    assert "> reference_cache_max_gib" in caplog.text and "keeping the reference model" in caplog.text
+    forced = make_trainer(top_k=64, reference_cache=True, reference_cache_max_gib=budget_gib)
+    assert forced.uses_reference_cache  # an explicit `true` is obeyed
+
+
 def test_kl_retain_keeps_the_reference_model(make_trainer):
     trainer = make_trainer(retain_loss_type="KL")
     assert not trainer.uses_reference_cache and trainer.ref_model is not None

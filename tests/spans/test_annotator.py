@@ -289,5 +289,5 @@ def test_annotate_cli_on_a_json_lines_file_uses_the_dataset_as_background(tmp_pa
     dataset = write_jsonl(tmp_path / "qa.jsonl", rows)
     out = tmp_path / "spans.jsonl"
     code, printed, _ = run_cli(capsys, "annotate", "--dataset", str(dataset), "--out", str(out))
-    assert (code, printed) == (0, f"wrote 2 rows (1 without spans) to {out}\n")
+    assert (code, printed) == (0, f"wrote 2 rows (1 without spans, 6.0% of characters in spans) to {out}\n")
     assert [row["spans"] for row in read_annotations(out)] == [[[20, 24]], []]

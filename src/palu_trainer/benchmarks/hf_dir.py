@@ -23,14 +23,23 @@ def write_jsonl(path: Path, rows: Sequence[dict], keys: Sequence[str]) -> None:
 
 def write_readme(directory: Path, config_names: Sequence[str], description: str) -> None:
     """The Hugging Face README header that makes `load_dataset(directory, name=...)` work."""
-    header = {"configs": [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]}
-    header["configs"][0]["default"] = True
-    text = "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n\n" + description + "\n"
-    (directory / "README.md").write_text(text, encoding="utf-8")
+    configs = [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]
+    configs[0]["default"] = True
+    write_configs_readme(directory, configs, description)
 
 
-def read_configs(directory: Path) -> set[str]:
-    """Config names a local dataset folder offers, from its README's Hugging Face YAML header."""
+def write_configs_readme(directory: Path, configs: Sequence[dict], description: str) -> None:
+    """A README whose YAML header lists `configs` as the hub does (`config_name`, `data_files`)."""
+    header = yaml.safe_dump({"configs": list(configs)}, sort_keys=False)
+    (directory / "README.md").write_text(f"---\n{header}---\n\n{description}\n", encoding="utf-8")
+
+
+def read_configs(directory: Path) -> dict[str, set[str]]:
+    """Config names a local dataset folder offers, with their splits, from its README's YAML header.
+
+    `data_files` as a path (or list of paths) is the single split `train`; as a list of
+    `{split, path}` entries (MUSE's layout), those splits.
+    """
     readme = directory / "README.md"
     if not readme.is_file():
         raise FileNotFoundError(
@@ -38,4 +47,10 @@ def read_configs(directory: Path) -> set[str]:
         )
     header = readme.read_text(encoding="utf-8").split("---")
     configs = yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
-    return {config["config_name"] for config in configs}
+    return {config["config_name"]: _splits(config.get("data_files")) for config in configs}
+
+
+def _splits(data_files) -> set[str]:
+    if isinstance(data_files, list) and data_files and isinstance(data_files[0], dict):
+        return {entry["split"] for entry in data_files}
+    return {"train"}

@@ -23,11 +23,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from palu_trainer.benchmarks.hf_dir import read_jsonl
+from palu_trainer.benchmarks.muse_subset import SYNTHETIC_ARTICLES, make_muse_subset
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
+from palu_trainer.experiments.methods import METHODS, muse_overrides, side_by_side_methods, tofu_overrides
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
 from palu_trainer.framework.plugin import trainer_config
@@ -50,9 +51,22 @@ class Size:
     max_new_tokens: int
 
 
+@dataclass(frozen=True)
+class MuseSize(Size):
+    """The MUSE miniature's sizes: `num_authors` counts article runs (see benchmarks.muse_subset)."""
+
+    num_retain: int
+    num_holdout: int
+    max_length: int  # unlearning's forget/retain chunks (tokens), as long as a verbmem row (~1200)
+
+
 SIZES = {
     "full": Size(40, 128, 2, 4096, 25, 3e-3, 10, 8, (3e-4, 1e-3, 3e-3), 48),
     "fast": Size(16, 64, 2, 1024, 30, 5e-3, 5, 8, (1e-3,), 32),
+}
+MUSE_SIZES = {
+    "full": MuseSize(2, 128, 2, 4096, 60, 5e-3, 5, 1, (1e-3, 3e-3), 128, 2, 6, 1280),
+    "fast": MuseSize(1, 128, 2, 2048, 60, 5e-3, 10, 1, (1e-3,), 128, 1, 4, 1280),
 }
 FRAMEWORK_ENTRY = "from palu_trainer.framework.plugin import {0}_main; {0}_main()"
 CPU_TRAINING = [
@@ -138,7 +152,7 @@ class Demo:
         self.env = {
             **threads,
             **os.environ,
-            "TOFU_DIR": str(benchmark.tofu_dir),
+            self.mirror_variable: str(self.data_dir()),
             # `datasets` caches a local directory's configs under its base name, not its path or
             # contents: another run's `data/` would be served. One cache per run, emptied at its start.
             "HF_DATASETS_CACHE": str(run_dir / "datasets-cache"),
@@ -163,20 +177,46 @@ class Demo:
         self.progress.stage(stage, seconds)
         return out_dir, seconds
 
+    # Per benchmark: its local folder's mirror variable, configs and files (MuseDemo overrides these)
+    mirror_variable = "TOFU_DIR"
+    finetune_experiment = "finetune/tofu/tiny"
+    eval_experiment = "eval/tofu/tiny"
+    eval_file = "TOFU_EVAL.json"
+
+    def data_dir(self) -> Path:
+        return self.benchmark.tofu_dir
+
+    def split_files(self, train_split: str) -> list[Path]:
+        return [self.benchmark.tofu_dir / f"{train_split}.json"]
+
+    def benchmark_overrides(self) -> list[str]:
+        return [
+            f"forget_split={self.benchmark.forget_split}",
+            f"holdout_split={self.benchmark.holdout_split}",
+            f"max_new_tokens={self.benchmark.max_new_tokens}",
+        ]
+
+    def method_overrides(self, method: str) -> list[str]:
+        return [
+            *tofu_overrides(method),
+            f"forget_split={self.benchmark.forget_split}",
+            f"retain_split={self.benchmark.retain_split}",
+            f"holdout_split={self.benchmark.holdout_split}",
+        ]
+
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
         overrides = [
-            "experiment=finetune/tofu/tiny",
+            f"experiment={self.finetune_experiment}",
             "+runtime=cpu",
             f"train_split={train_split}",
             f"trainer.args.num_train_epochs={self.size.finetune_epochs}",
             f"trainer.args.learning_rate={self.size.finetune_learning_rate}",
             f"task_name={name}",
         ]
-        split_file = self.benchmark.tofu_dir / f"{train_split}.json"
         key = [
-            file_digest(split_file),
+            file_digest(*self.split_files(train_split)),
             file_digest(*(model_dir / f for f in ("config.json", "model.safetensors", "tokenizer.json"))),
-            file_digest(CONFIG_DIR / "experiment" / "finetune" / "tofu" / "tiny.yaml"),
+            file_digest(CONFIG_DIR / "experiment" / f"{self.finetune_experiment}.yaml"),
             *overrides,
         ]
 
@@ -187,14 +227,12 @@ class Demo:
         return self.run_cached_stage(f"finetune {name} on {train_split}", "finetune", key, produce)
 
     def evaluate(self, name: str, model_dir: Path, retain_logs, cache: bool) -> Path:
-        """Stock TOFU evaluation; `retain_logs()` gives Retain's TOFU_EVAL.json (None for Retain itself)."""
+        """Stock evaluation; `retain_logs()` gives Retain's eval file (None for Retain itself)."""
         retain_logs = retain_logs()
         overrides = [
-            "experiment=eval/tofu/tiny",
+            f"experiment={self.eval_experiment}",
             "+runtime=cpu",
-            f"forget_split={self.benchmark.forget_split}",
-            f"holdout_split={self.benchmark.holdout_split}",
-            f"max_new_tokens={self.benchmark.max_new_tokens}",
+            *self.benchmark_overrides(),
             f"retain_logs_path={retain_logs or 'null'}",
             f"task_name={name}_eval",
         ]
@@ -208,7 +246,7 @@ class Demo:
             key = [
                 file_digest(model_dir / "model.safetensors"),
                 *self.benchmark_digest(),
-                file_digest(CONFIG_DIR / "experiment" / "eval" / "tofu" / "tiny.yaml"),
+                file_digest(CONFIG_DIR / "experiment" / f"{self.eval_experiment}.yaml"),
                 *overrides,
             ]
             out_dir, _ = self.run_cached_stage(stage, "eval", key, produce)
@@ -216,13 +254,13 @@ class Demo:
             out_dir = self.run_dir / "evals" / name
             self.progress.say(f"{stage} …")
             self.progress.stage(stage, produce(out_dir))
-        return out_dir / "TOFU_EVAL.json"
+        return out_dir / self.eval_file
 
     def benchmark_digest(self) -> list[str]:
-        return [file_digest(*self.benchmark.tofu_dir.glob("*.json"))]
+        return [file_digest(*self.data_dir().glob("*.json"))]
 
     def unlearn_and_evaluate(self, method: str, learning_rate: float, original_dir: Path, retain_logs):
-        """Unlearn Original with `method`, then evaluate; return (TOFU_EVAL.json, unlearning seconds)."""
+        """Unlearn Original with `method`, then evaluate; return (eval file, unlearning seconds)."""
         unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir)
         return self.evaluate(unlearned_dir.name, unlearned_dir, retain_logs, cache=False), seconds
 
@@ -232,13 +270,10 @@ class Demo:
         idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
         return [
             "--config-name=unlearn.yaml",
-            *tofu_overrides(method),
+            *self.method_overrides(method),
             *spans,
             *idk,
             *CPU_TRAINING,
-            f"forget_split={self.benchmark.forget_split}",
-            f"retain_split={self.benchmark.retain_split}",
-            f"holdout_split={self.benchmark.holdout_split}",
             *model_paths(original_dir),
             f"trainer.args.learning_rate={learning_rate}",
             f"trainer.args.num_train_epochs={self.size.unlearn_epochs}",
@@ -272,37 +307,53 @@ def method_notes(methods, benchmark: TofuBenchmark) -> list[str]:
     return notes
 
 
-def run(
-    data: str,
-    size_name: str,
-    run_dir: Path,
-    cache_dir: Path,
-    seed: int,
-    tofu_dir: Path | None = None,
-    spans_file: Path | None = None,
-    jobs: int = 1,
-    methods: tuple[str, ...] | None = None,
-) -> dict[str, Path]:
-    size = SIZES[size_name]
-    methods = methods or side_by_side_methods(fast=size_name == "fast")
+class MuseDemo(Demo):
+    """The MUSE miniature: the local MUSE-News subset as `MUSE_DIR`, raw text in `max_length` chunks."""
+
+    mirror_variable = "MUSE_DIR"
+    finetune_experiment = "finetune/muse/tiny"
+    eval_experiment = "eval/muse/tiny"
+    eval_file = "MUSE_EVAL.json"
+
+    def data_dir(self) -> Path:
+        return self.benchmark.muse_dir
+
+    def split_files(self, train_split: str) -> list[Path]:
+        return [self.benchmark.muse_dir / "raw" / f"{train_split}.jsonl"]
+
+    def benchmark_digest(self) -> list[str]:
+        return [file_digest(*self.benchmark.muse_dir.glob("*/*.jsonl"))]
+
+    def benchmark_overrides(self) -> list[str]:
+        return [f"max_new_tokens={self.size.max_new_tokens}"]
+
+    def method_overrides(self, method: str) -> list[str]:
+        forget = "MUSE_forget_spans" if METHODS[method].uses_spans else "MUSE_forget"
+        return [
+            *muse_overrides(method),
+            f"data.forget.{forget}.args.max_length={self.size.max_length}",
+            f"data.retain.MUSE_retain.args.max_length={self.size.max_length}",
+        ]
+
+
+def start_run(bench: str, data: str, size_name: str, run_dir: Path, methods, size) -> tuple[Progress, tuple]:
+    methods = methods or side_by_side_methods(fast=size_name == "fast", bench=bench)
     grid_runs = len(methods) * len(size.learning_rates)
     progress = Progress(total_stages=6 + 2 * grid_runs)
     shutil.rmtree(run_dir / "datasets-cache", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    progress.say(f"demo: data={data}, size={size_name}, output {run_dir}")
+    progress.say(f"demo: bench={bench}, data={data}, size={size_name}, output {run_dir}")
+    return progress, methods
 
-    start = time.monotonic()
-    data_dir = run_dir / "data"
-    if data == "synthetic":
-        benchmark = synthetic_benchmark(data_dir, size.num_authors, size.max_new_tokens, seed)
-    else:
-        benchmark = make_tofu_subset(tofu_dir, spans_file, data_dir)
-    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
 
+def make_model(
+    run_dir: Path, texts: list[str], size: Size, seed: int, progress: Progress
+) -> tuple[Path, int]:
+    """The tokenizer and tiny Llama; returns their folder and the vocabulary size they reached."""
     start = time.monotonic()
     model_dir = save_tiny_model(
         run_dir / "tiny-llama",
-        benchmark_texts(data_dir),
+        texts,
         vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
         num_layers=size.num_layers,
@@ -313,13 +364,18 @@ def run(
     progress.stage(
         f"tokenizer + Llama ({size.num_layers} layers, hidden {size.hidden_size})", time.monotonic() - start
     )
+    return model_dir, vocab_size
 
-    demo = Demo(benchmark, size, run_dir, cache_dir, progress)
+
+def compare(demo: Demo, model_dir: Path, retain_split: str, methods, jobs: int, scorecard=None):
+    """Finetune Original and Retain, evaluate them, unlearn Original with every method on the size's
+    learning-rate grid and evaluate each; return (references, grids) for report.write_report."""
+    size = demo.size
     # Single-threaded framework processes, `jobs` at a time; every wait below is on a job submitted
     # earlier, which already holds a worker, so the pool cannot deadlock.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         original = pool.submit(demo.finetune, "Original", model_dir, "full")
-        retain = pool.submit(demo.finetune, "Retain", model_dir, benchmark.retain_split)
+        retain = pool.submit(demo.finetune, "Retain", model_dir, retain_split)
         (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
         retain_eval = pool.submit(demo.evaluate, "Retain", retain_dir, lambda: None, cache=True)
         original_eval = pool.submit(demo.evaluate, "Original", original_dir, retain_eval.result, cache=True)
@@ -334,14 +390,73 @@ def run(
         for (method, learning_rate), job in grid_jobs.items():
             eval_json, seconds = job.result()
             run_params = {"lr": learning_rate, "epochs": size.unlearn_epochs}
-            grids.setdefault(method, []).append(report.run_from_eval(eval_json, seconds, run_params))
+            grids.setdefault(method, []).append(
+                report.run_from_eval(eval_json, seconds, run_params, scorecard)
+            )
         original_eval, retain_eval = original_eval.result(), retain_eval.result()
 
     finetune_params = {"lr": size.finetune_learning_rate, "epochs": size.finetune_epochs}
     references = {
-        "Original": report.run_from_eval(original_eval, original_seconds, finetune_params),
-        "Retain": report.run_from_eval(retain_eval, retain_seconds, finetune_params),
+        "Original": report.run_from_eval(original_eval, original_seconds, finetune_params, scorecard),
+        "Retain": report.run_from_eval(retain_eval, retain_seconds, finetune_params, scorecard),
     }
+    return references, grids
+
+
+def finish(
+    run_dir: Path,
+    progress: Progress,
+    references,
+    grids,
+    size: Size,
+    methods,
+    data: str,
+    extra: dict | None = None,
+    **report_args,
+):
+    """Write the report (`report_args`: write_report's title, notes, scorecard; `extra`: more JSON)."""
+    paths = report.write_report(
+        run_dir,
+        references,
+        grids,
+        extra={
+            "stage_times_s": progress.stage_times,
+            "size": {**asdict(size), "methods": methods},
+            "data": data,
+            **(extra or {}),
+        },
+        **report_args,
+    )
+    progress.say(f"done in {time.monotonic() - progress.start:.0f} s")
+    for label, path in paths.items():
+        print(f"{label}: {path}")
+    return paths
+
+
+def run(
+    data: str,
+    size_name: str,
+    run_dir: Path,
+    cache_dir: Path,
+    seed: int,
+    tofu_dir: Path | None = None,
+    spans_file: Path | None = None,
+    jobs: int = 1,
+    methods: tuple[str, ...] | None = None,
+) -> dict[str, Path]:
+    size = SIZES[size_name]
+    progress, methods = start_run("tofu", data, size_name, run_dir, methods, size)
+
+    start = time.monotonic()
+    data_dir = run_dir / "data"
+    if data == "synthetic":
+        benchmark = synthetic_benchmark(data_dir, size.num_authors, size.max_new_tokens, seed)
+    else:
+        benchmark = make_tofu_subset(tofu_dir, spans_file, data_dir)
+    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
+    model_dir, vocab_size = make_model(run_dir, benchmark_texts(data_dir), size, seed, progress)
+    demo = Demo(benchmark, size, run_dir, cache_dir, progress)
+    references, grids = compare(demo, model_dir, benchmark.retain_split, methods, jobs)
     # Forget quality is a KS test against Retain's own truth ratios: for Retain itself, exactly 1.
     references["Retain"].metrics["forget_quality"] = 1.0
     notes = [
@@ -367,29 +482,92 @@ def run(
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
         )
-    paths = report.write_report(
+    return finish(
         run_dir,
+        progress,
         references,
         grids,
+        size,
+        methods,
+        data,
         title=f"PALU vs stock unlearning methods — {benchmark.description}",
         notes=notes,
-        extra={
-            "stage_times_s": progress.stage_times,
-            "size": {**asdict(size), "methods": methods},
-            "data": data,
-        },
     )
-    progress.say(f"done in {time.monotonic() - progress.start:.0f} s")
-    for label, path in paths.items():
-        print(f"{label}: {path}")
-    return paths
+
+
+def run_muse(
+    size_name: str,
+    run_dir: Path,
+    cache_dir: Path,
+    seed: int,
+    muse_dir: Path,
+    jobs: int = 1,
+    methods: tuple[str, ...] | None = None,
+) -> dict[str, Path]:
+    size = MUSE_SIZES[size_name]
+    progress, methods = start_run("muse", "news", size_name, run_dir, methods, size)
+    start = time.monotonic()
+    benchmark = make_muse_subset(
+        muse_dir,
+        run_dir / "data",
+        size.num_authors,
+        size.num_retain,
+        size.num_holdout,
+        run_dir / "spans.jsonl",
+    )
+    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
+    model_dir, vocab_size = make_model(run_dir, benchmark.texts(), size, seed, progress)
+    demo = MuseDemo(benchmark, size, run_dir, cache_dir, progress)
+    references, grids = compare(demo, model_dir, "retain1", methods, jobs, report.MUSE)
+    agreement = benchmark.annotator_agreement
+    notes = [
+        f"Data: {benchmark.description}. Rows: "
+        + ", ".join(f"{name} {count}" for name, count in benchmark.rows.items())
+        + ". KnowMem pairs are also rows of their side's corpus (a model trained from scratch has never "
+        "seen a question otherwise; palu_trainer.benchmarks.muse_subset).",
+        f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
+        f"vocabulary {vocab_size} (trained for at most {size.vocab_size}), finetuned on each corpus row "
+        "as one sequence (the framework's "
+        f"CompletionDataset); every method unlearns Original (forget and retain in the stock "
+        f"PretrainingDataset's {size.max_length}-token chunks) for "
+        f"{size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
+        f"{list(size.learning_rates)}, stock defaults.",
+        "PALU's spans: the annotator's raw-text mode on the subset's forget rows (background: "
+        f"sust/forget_2); against the gold spans of {SYNTHETIC_ARTICLES} held-out synthetic news articles "
+        f"(palu_trainer.benchmarks.synthetic_news) its word precision / recall / F1 are "
+        f"{agreement.precision:.3f} / {agreement.recall:.3f} / {agreement.f1:.3f}.",
+        "PrivLeak is relative to Retain's min-k% AUC; Retain's own uses the stock reference AUC of 0.5.",
+    ]
+    return finish(
+        run_dir,
+        progress,
+        references,
+        grids,
+        size,
+        methods,
+        "muse-news",
+        extra={
+            "annotator_synthetic_news": {
+                "precision": agreement.precision,
+                "recall": agreement.recall,
+                "f1": agreement.f1,
+            }
+        },
+        title=f"PALU vs stock unlearning methods on MUSE — {benchmark.description}",
+        notes=notes,
+        scorecard=report.MUSE,
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.demo", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic")
+    parser.add_argument("--bench", choices=("tofu", "muse"), default="tofu")
+    parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic", help="for --bench tofu")
+    parser.add_argument(
+        "--muse-dir", type=Path, help="MUSE-News in the hub's layout (for --bench muse; default: ../shared)"
+    )
     parser.add_argument("--fast", action="store_true", help="the ≤ 2 minute variant (tests)")
     parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
     parser.add_argument(
@@ -407,6 +585,18 @@ def main(argv=None) -> None:
         if not args.tofu_dir:
             parser.error("--data tofu needs --tofu-dir (make demo DATA=tofu TOFU_DIR=...)")
         args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
+    if args.bench == "muse":
+        muse_dir = args.muse_dir or PROJECT_ROOT.parent / "shared" / "data" / "muse_news"
+        run_muse(
+            "fast" if args.fast else "full",
+            args.results / (args.run or "muse" + ("-fast" if args.fast else "")),
+            args.results / ".cache",
+            args.seed,
+            muse_dir,
+            args.jobs,
+            tuple(args.methods) if args.methods else None,
+        )
+        return
     run_name = args.run or args.data + ("-fast" if args.fast else "")
     run(
         args.data,

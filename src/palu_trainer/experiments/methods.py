@@ -20,6 +20,8 @@ class Method:
     bench_variants: label -> extra `method_args`, one bench row each ("" is the stock config).
     side_by_side: run by `make demo` and `make compare` unless `--methods` names others.
     in_fast_demo: run by `make demo FAST=1` (and so by `make test`).
+    muse_experiment: the experiment config it runs on MUSE; None: not offered on MUSE here (the MUSE demo and
+        recipe leave it out).
     """
 
     trainer: str
@@ -31,6 +33,7 @@ class Method:
     bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     side_by_side: bool = True
     in_fast_demo: bool = False
+    muse_experiment: str | None = "unlearn/muse/default"
 
 
 # The paper's Table 1, in its order.
@@ -38,7 +41,13 @@ METHODS: dict[str, Method] = {
     "GradAscent": Method("GradAscent"),
     "GradDiff": Method("GradDiff"),
     # DPO with "I don't know" as the preferred answer; not in the bench (its forget rows are answer pairs).
-    "DPO": Method("DPO", tofu_experiment="unlearn/tofu/idk_local", uses_idk_answers=True, bench_variants={}),
+    "DPO": Method(
+        "DPO",
+        tofu_experiment="unlearn/tofu/idk_local",
+        uses_idk_answers=True,
+        bench_variants={},
+        muse_experiment=None,  # no local "I don't know" set for raw text
+    ),
     "NPO": Method("NPO", in_fast_demo=True),
     "SimNPO": Method("SimNPO"),
     # The framework's community/methods/PDU/run.sh "final best parameters" for TOFU (retain_loss_eps has no
@@ -53,7 +62,9 @@ METHODS: dict[str, Method] = {
             "trainer.method_args.dual_warmup_epochs=5",
         ),
     ),
-    "TPO": Method("TPO", tofu_experiment="unlearn/tofu/tpo", uses_spans=True, in_fast_demo=True),
+    "TPO": Method(
+        "TPO", tofu_experiment="unlearn/tofu/tpo", uses_spans=True, in_fast_demo=True, muse_experiment=None
+    ),
     "PALU": Method(
         "PALU",
         tofu_experiment="unlearn/tofu/palu",
@@ -64,6 +75,7 @@ METHODS: dict[str, Method] = {
             "reference cache": {"reference_cache": True},
         },
         in_fast_demo=True,
+        muse_experiment="unlearn/muse/palu",
     ),
     # The released code's loss (configs/trainer/PALU_release.yaml): run by name, `--methods PALU_release`.
     "PALU_release": Method(
@@ -72,14 +84,18 @@ METHODS: dict[str, Method] = {
         uses_spans=True,
         bench_variants={},  # the same cost as PALU's cached row
         side_by_side=False,
+        muse_experiment="unlearn/muse/palu",
     ),
 }
 
 
-def side_by_side_methods(fast: bool = False) -> tuple[str, ...]:
-    """The methods a comparison runs by default; `fast`: the demo's FAST subset."""
+def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, ...]:
+    """The methods a comparison runs by default; `fast`: the demo's FAST subset; `bench`: tofu or muse."""
     return tuple(
-        name for name, method in METHODS.items() if (method.in_fast_demo if fast else method.side_by_side)
+        name
+        for name, method in METHODS.items()
+        if (method.in_fast_demo if fast else method.side_by_side)
+        and (bench == "tofu" or method.muse_experiment is not None)
     )
 
 
@@ -88,3 +104,11 @@ def tofu_overrides(name: str) -> list[str]:
     the caller)."""
     method = METHODS[name]
     return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
+
+
+def muse_overrides(name: str) -> list[str]:
+    """The experiment and trainer overrides that run method `name` on MUSE (spans are added by the caller)."""
+    method = METHODS[name]
+    if method.muse_experiment is None:
+        raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
+    return [f"experiment={method.muse_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]

@@ -1,7 +1,10 @@
-"""The paper's TOFU recipe through the framework: unlearn, then the stock TOFU evaluation.
+"""The paper's TOFU and MUSE recipes through the framework: unlearn, then the stock evaluation.
 
 `make tofu FORGET=05` runs PALU; `make compare FORGET=05` runs every method of the side-by-side table
-(palu_trainer.experiments.methods) and renders one table.
+(palu_trainer.experiments.methods) and renders one table. `make muse SPLIT=News` and
+`make compare BENCH=muse SPLIT=News` do the same on MUSE (`--bench muse`): the framework's target model
+`muse-bench/MUSE-<split>_target`, its MUSE settings (experiment=unlearn/muse/default: 10 epochs, global
+batch 32, constant lr 1e-5) and PALU's own method arguments, as on TOFU.
 Hyperparameters follow the paper's appendix: 10 epochs, global batch 32, paged AdamW, one warm-up epoch,
 lr 1e-5 (grid 1e-5, 2e-5, 5e-5), PALU K=5000, N=3, c=global mean, λ=1 (grid 1, 2, 5, 10); the stock
 baselines keep the framework's method arguments (PDU: its community run.sh values), TPO its release's.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
+from palu_trainer.experiments.methods import METHODS, muse_overrides, side_by_side_methods, tofu_overrides
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.plugin import write_accelerate_config
 
@@ -50,7 +53,11 @@ class RecipeSettings:
         suffix = f"_lr{self.learning_rate}" + (
             f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         )
-        return f"tofu_{self.model}_{self.splits[0]}_{method}{suffix}"
+        return f"{self.task_prefix}_{method}{suffix}"
+
+    @property
+    def task_prefix(self) -> str:
+        return f"tofu_{self.model}_{self.splits[0]}"
 
     @property
     def model_path(self) -> str:
@@ -71,7 +78,103 @@ class RecipeSettings:
         return self.idk_answers or str(checkout_dir() / "data" / "idk.jsonl")
 
     def eval_path(self, method: str) -> Path:
-        return Path("saves/unlearn") / self.task_name(method) / "evals" / "TOFU_EVAL.json"
+        return Path("saves/unlearn") / self.task_name(method) / "evals" / self.eval_file
+
+    # What differs between benchmarks (MuseRecipe overrides these)
+    benchmark = "TOFU"
+    eval_file = "TOFU_EVAL.json"
+    scorecard = report.TOFU
+
+    def describe(self) -> str:
+        return f"TOFU forget{self.forget}"
+
+    def method_overrides(self, method: str) -> list[str]:
+        return tofu_overrides(method)
+
+    def data_overrides(self) -> list[str]:
+        forget, retain, holdout = self.splits
+        return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
+
+    def eval_overrides(self) -> list[str]:
+        forget, _, holdout = self.splits
+        return ["experiment=eval/tofu/default", f"forget_split={forget}", f"holdout_split={holdout}"]
+
+    def dataset_problems(self, environ) -> list[str]:
+        if environ.get("TOFU_DIR"):
+            available = read_configs(Path(environ["TOFU_DIR"]))
+            absent = [name for name in self.splits if name not in available]
+            if absent:
+                return [f"TOFU_DIR={environ['TOFU_DIR']} lacks the configs {', '.join(absent)}"]
+        elif not _on_hub_or_cached("locuslab/TOFU", "dataset"):
+            return ["dataset locuslab/TOFU: not cached and the hub is unreachable; set TOFU_DIR"]
+        return []
+
+
+# What experiment=unlearn/muse/* and eval=muse load: config -> splits
+MUSE_LOADS = {
+    "raw": ("forget", "retain1"),
+    "verbmem": ("forget",),
+    "knowmem": ("forget_qa", "retain_qa", "forget_qa_icl", "retain_qa_icl"),
+    "privleak": ("forget", "holdout"),
+}
+
+
+@dataclass(frozen=True)
+class MuseRecipe(RecipeSettings):
+    """MUSE: `forget` is the corpus (News or Books); the model is the framework's MUSE target."""
+
+    benchmark = "MUSE"
+    eval_file = "MUSE_EVAL.json"
+    scorecard = report.MUSE
+
+    @property
+    def splits(self) -> tuple[str, str, str]:
+        return ("forget", "retain1", "holdout")
+
+    @property
+    def task_prefix(self) -> str:
+        return f"muse_{self.model}_{self.forget}"
+
+    @property
+    def model_path(self) -> str:
+        return self.model_dir or f"muse-bench/MUSE-{self.forget}_target"
+
+    @property
+    def retain_logs_path(self) -> str:
+        return self.retain_logs or f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+
+    @property
+    def original_logs_path(self) -> str:
+        return f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+
+    def describe(self) -> str:
+        return f"MUSE-{self.forget}"
+
+    def method_overrides(self, method: str) -> list[str]:
+        return muse_overrides(method)
+
+    def data_overrides(self) -> list[str]:
+        return [f"data_split={self.forget}"]
+
+    def eval_overrides(self) -> list[str]:
+        return ["experiment=eval/muse/default", f"data_split={self.forget}"]
+
+    def dataset_problems(self, environ) -> list[str]:
+        hub_id = f"muse-bench/MUSE-{self.forget}"
+        if self.forget == "News" and environ.get("MUSE_DIR"):
+            available = read_configs(Path(environ["MUSE_DIR"]))
+            absent = [
+                f"{config}/{split}"
+                for config, splits in MUSE_LOADS.items()
+                for split in splits
+                if split not in available.get(config, ())
+            ]
+            if absent:
+                return [f"MUSE_DIR={environ['MUSE_DIR']} lacks {', '.join(absent)}"]
+        elif not _on_hub_or_cached(hub_id, "dataset"):
+            mirror = "; set MUSE_DIR" if self.forget == "News" else ""
+            return [f"dataset {hub_id}: not cached and the hub is unreachable{mirror}"]
+        return []
 
 
 BIN = Path(sys.executable).parent
@@ -79,7 +182,6 @@ BIN = Path(sys.executable).parent
 
 def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, port: int) -> list[str]:
     """One process with palu-train, or the framework's accelerate + ZeRO-3 launch on several GPUs."""
-    forget, retain, holdout = run.splits
     launcher = [str(BIN / "palu-train")]
     if run.gpus > 1:
         accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(accelerate_config)]
@@ -88,11 +190,9 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
     command = [
         *launcher,
         "--config-name=unlearn.yaml",
-        *tofu_overrides(method),
+        *run.method_overrides(method),
         f"model={run.model}",
-        f"forget_split={forget}",
-        f"retain_split={retain}",
-        f"holdout_split={holdout}",
+        *run.data_overrides(),
         f"task_name={run.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={run.model_path}",
         f"retain_logs_path={run.retain_logs_path}",
@@ -111,14 +211,13 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
 
 
 def eval_command(run: RecipeSettings, method: str) -> list[str]:
-    forget, _, holdout = run.splits
     saved = f"saves/unlearn/{run.task_name(method)}"
+    eval_experiment, *data = run.eval_overrides()
     return [
         str(BIN / "palu-eval"),
-        "experiment=eval/tofu/default",
+        eval_experiment,
         f"model={run.model}",
-        f"forget_split={forget}",
-        f"holdout_split={holdout}",
+        *data,
         f"task_name={run.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
@@ -155,16 +254,10 @@ def missing_requirements(
         problems.append(
             f"model {run.model_path}: not in the Hugging Face cache and the hub is unreachable; set MODEL_DIR"
         )
-    if environ.get("TOFU_DIR"):
-        available = read_configs(Path(environ["TOFU_DIR"]))
-        absent = [name for name in run.splits if name not in available]
-        if absent:
-            problems.append(f"TOFU_DIR={environ['TOFU_DIR']} lacks the configs {', '.join(absent)}")
-    elif not _on_hub_or_cached("locuslab/TOFU", "dataset"):
-        problems.append("dataset locuslab/TOFU: not cached and the hub is unreachable; set TOFU_DIR")
+    problems.extend(run.dataset_problems(environ))
     if not Path(run.retain_logs_path).is_file():
         problems.append(
-            f"retain model logs {run.retain_logs_path} not found (forget quality needs them): run "
+            f"retain model logs {run.retain_logs_path} not found (forget quality / privleak need them): run "
             f"`python setup_data.py --eval_logs` in {checkout_dir()} and copy its saves/eval here, "
             "or set RETAIN_LOGS"
         )
@@ -191,7 +284,7 @@ def plan(run: RecipeSettings, methods: list[str], accelerate_config: Path) -> li
     steps = []
     for method in methods:
         steps.append((f"{method}: unlearn", unlearn_command(run, method, accelerate_config, port)))
-        steps.append((f"{method}: TOFU evaluation", eval_command(run, method)))
+        steps.append((f"{method}: {run.benchmark} evaluation", eval_command(run, method)))
     return steps
 
 
@@ -200,10 +293,11 @@ def write_comparison(
 ) -> dict:
     """One table, JSON and utility-vs-FQ plot of the methods' evaluations (experiments.report)."""
     references = {
-        "Original": report.run_from_eval(run.original_logs_path),
-        "Retain": report.run_from_eval(run.retain_logs_path),
+        "Original": report.run_from_eval(run.original_logs_path, scorecard=run.scorecard),
+        "Retain": report.run_from_eval(run.retain_logs_path, scorecard=run.scorecard),
     }
-    references["Retain"].metrics["forget_quality"] = 1.0  # a KS test of Retain against itself
+    if run.scorecard is report.TOFU:
+        references["Retain"].metrics["forget_quality"] = 1.0  # a KS test of Retain against itself
     grids = {
         method: [
             report.run_from_eval(
@@ -213,17 +307,20 @@ def write_comparison(
                     "lr": run.learning_rate,
                     **({"lambda": run.kl_weight} if METHODS[method].kl_weight_key else {}),
                 },
+                run.scorecard,
             )
         ]
         for method in methods
     }
     forget, retain, _ = run.splits
+    title = f"TOFU {forget}" if run.scorecard is report.TOFU else run.describe()
     return report.write_report(
         out_dir,
         references,
         grids,
-        title=f"TOFU {forget}: {', '.join(methods)} on {run.model}",
+        title=f"{title}: {', '.join(methods)} on {run.model}",
         notes=[f"Retain: {run.retain_logs_path} ({retain}); Original: {run.original_logs_path}."],
+        scorecard=run.scorecard,
     )
 
 
@@ -235,8 +332,12 @@ def _free_port() -> int:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="palu-recipe", description=__doc__.splitlines()[0])
-    parser.add_argument("--forget", choices=sorted(SPLITS), default="05")
-    parser.add_argument("--model", default="Llama-2-7b-chat-hf", help="a framework model config name")
+    parser.add_argument("--bench", choices=("tofu", "muse"), default="tofu")
+    parser.add_argument("--forget", choices=sorted(SPLITS), default="05", help="TOFU's forget split")
+    parser.add_argument("--split", choices=("News", "Books"), default="News", help="MUSE's corpus")
+    parser.add_argument(
+        "--model", help="a framework model config name (default: Llama-2-7b-chat-hf; MUSE: Llama-2-7b-hf)"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="default: every visible CUDA GPU, at least 1")
     parser.add_argument(
         "--methods",
@@ -256,24 +357,20 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
     if "side-by-side" in args.methods:
-        args.methods = list(side_by_side_methods())
+        args.methods = list(side_by_side_methods(bench=args.bench))
     import torch
 
     gpus = args.gpus or max(1, torch.cuda.device_count())
-    run = RecipeSettings(
-        args.forget,
-        args.model,
-        gpus,
-        args.lr,
-        args.kl_weight,
-        args.model_dir,
-        args.retain_logs,
-        args.idk_answers,
+    muse = args.bench == "muse"
+    settings, forget = (MuseRecipe, args.split) if muse else (RecipeSettings, args.forget)
+    model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
+    run = settings(
+        forget, model, gpus, args.lr, args.kl_weight, args.model_dir, args.retain_logs, args.idk_answers
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
     steps = plan(run, args.methods, accelerate_config)
-    print(f"plan: TOFU forget{args.forget}, {args.model}, {gpus} GPU(s), {', '.join(args.methods)}")
+    print(f"plan: {run.describe()}, {model}, {gpus} GPU(s), {', '.join(args.methods)}")
     for title, command in steps:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:

@@ -1,13 +1,17 @@
-"""Paper-style summary of TOFU evaluations: a Markdown table, a JSON file and a utility-vs-FQ scatter plot.
+"""Paper-style summary of TOFU or MUSE evaluations: a Markdown table, a JSON file and a scatter plot.
+
+The plot is utility (x) against forgetting (y); a `Scorecard` says which metrics those are (TOFU, the
+default, or MUSE).
 
 Input is independent of how the models were made: for every method, one or more runs, each an
-open-unlearning `TOFU_EVAL.json` plus wall time and hyperparameters. References (Original, Retain) are
-single runs. For a method with several runs (a learning-rate grid), one is selected by a stated rule.
+open-unlearning `TOFU_EVAL.json` (or `MUSE_EVAL.json`) plus wall time and hyperparameters. References
+(Original, Retain) are single runs. For a method with several runs (a learning-rate grid), one is selected
+by a stated rule.
 """
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,11 +66,13 @@ class EvaluatedModel:
     eval_path: str | None = None
 
 
-def metrics_from_eval(eval_json: str | Path) -> dict:
-    """The reported metrics of one open-unlearning TOFU_EVAL.json (None where a metric is absent)."""
+def metrics_from_eval(eval_json: str | Path, scorecard: "Scorecard | None" = None) -> dict:
+    """The reported metrics of one open-unlearning eval file (None where a metric is absent)."""
+    scorecard = scorecard or TOFU
     logs = json.loads(Path(eval_json).read_text())
-    metrics = {name: (logs.get(key) or {}).get("agg_value") for name, key in EVAL_KEYS.items()}
-    metrics["retain_utility"] = retain_utility(metrics)
+    metrics = {name: (logs.get(key) or {}).get("agg_value") for name, key in scorecard.eval_keys.items()}
+    for name, derive in scorecard.derived.items():
+        metrics[name] = derive(metrics)
     return metrics
 
 
@@ -77,17 +83,107 @@ def retain_utility(metrics: Mapping) -> float | None:
     return 0.0 if min(parts) <= 0 else float(hmean(parts))
 
 
-def run_from_eval(eval_json: str | Path, wall_time_s=None, params=None) -> EvaluatedModel:
-    return EvaluatedModel(metrics_from_eval(eval_json), wall_time_s, dict(params or {}), str(eval_json))
+@dataclass(frozen=True)
+class Scorecard:
+    """What a benchmark's report reads, selects by and plots.
+
+    utility (x axis) must keep UTILITY_FLOOR of the Original's; forgetting (y axis) ranks and selects,
+    higher better when `forgetting_ascends` (TOFU's FQ), lower otherwise (MUSE's VerbMem).
+    """
+
+    columns: tuple
+    eval_keys: dict[str, str]
+    derived: dict[str, Callable[[dict], float | None]]
+    utility: str
+    forgetting: str
+    forgetting_ascends: bool
+    ranked_by: str
+    selection_rule: str
+    utility_note: str
+    x_label: str
+    y_label: str
+    title: str
+    plot_file: str
+    log_y: bool
+
+    def forgetting_score(self, run: EvaluatedModel) -> float:
+        value = run.metrics[self.forgetting]
+        if value is None:
+            return -math.inf
+        return value if self.forgetting_ascends else -value
 
 
-def select_run(runs: Sequence[EvaluatedModel], original_utility: float) -> EvaluatedModel:
-    """Apply SELECTION_RULE to one method's runs."""
+TOFU = Scorecard(
+    columns=COLUMNS,
+    eval_keys=EVAL_KEYS,
+    derived={"retain_utility": retain_utility},
+    utility="retain_utility",
+    forgetting="forget_quality",
+    forgetting_ascends=True,
+    ranked_by="forget quality (FQ)",
+    selection_rule=SELECTION_RULE,
+    utility_note=UTILITY_NOTE,
+    x_label="retain utility (hmean of retain ROUGE, prob, truth ratio)",
+    y_label=f"forget quality (KS p-value vs Retain, log; < {FQ_FLOOR:g} drawn at it)",
+    title="Retain utility vs forget quality (faint: other learning rates)",
+    plot_file="mu_vs_fq.png",
+    log_y=True,
+)
+MUSE = Scorecard(
+    columns=(
+        ("forget_verbmem", "VerbMem forget ↓", "{:.3f}"),
+        ("forget_knowmem", "KnowMem forget ↓", "{:.3f}"),
+        ("retain_knowmem", "KnowMem retain ↑", "{:.3f}"),
+        ("privleak", "PrivLeak (→0)", "{:.1f}"),
+        ("extraction_strength", "ES ↓", "{:.3f}"),
+    ),
+    eval_keys={
+        "forget_verbmem": "forget_verbmem_ROUGE",
+        "forget_knowmem": "forget_knowmem_ROUGE",
+        "retain_knowmem": "retain_knowmem_ROUGE",
+        "privleak": "privleak",
+        "extraction_strength": "extraction_strength",
+    },
+    derived={},
+    utility="retain_knowmem",
+    forgetting="forget_verbmem",
+    forgetting_ascends=False,
+    ranked_by="VerbMem on forget, lowest first",
+    selection_rule=(
+        f"per method, among its runs whose KnowMem on retain is at least {UTILITY_FLOOR:.0%} of the "
+        "Original's, the one with the lowest VerbMem on forget; if none keeps that much, the run with the "
+        "highest KnowMem on retain"
+    ),
+    utility_note=(
+        "VerbMem: ROUGE-L F1 of the continuation generated from a forget excerpt; KnowMem: ROUGE-L F1 of "
+        "answers to questions on forget / retain articles (few-shot); PrivLeak: min-k% MIA AUC on "
+        "forget vs holdout excerpts relative to Retain's, in % (0 = like Retain, -100 = fully exposed)."
+    ),
+    x_label="KnowMem on retain (ROUGE-L F1) ↑",
+    y_label="VerbMem on forget (ROUGE-L F1) ↓",
+    title="KnowMem-retain vs VerbMem-forget (faint: other learning rates)",
+    plot_file="knowmem_vs_verbmem.png",
+    log_y=False,
+)
+
+
+def run_from_eval(
+    eval_json: str | Path, wall_time_s=None, params=None, scorecard: Scorecard | None = None
+) -> EvaluatedModel:
+    metrics = metrics_from_eval(eval_json, scorecard)
+    return EvaluatedModel(metrics, wall_time_s, dict(params or {}), str(eval_json))
+
+
+def select_run(
+    runs: Sequence[EvaluatedModel], original_utility: float, scorecard: Scorecard | None = None
+) -> EvaluatedModel:
+    """Apply the scorecard's selection rule (TOFU: SELECTION_RULE) to one method's runs."""
+    scorecard = scorecard or TOFU
     floor = UTILITY_FLOOR * original_utility
-    kept = [run for run in runs if (run.metrics["retain_utility"] or 0.0) >= floor]
+    kept = [run for run in runs if (run.metrics[scorecard.utility] or 0.0) >= floor]
     if kept:
-        return max(kept, key=lambda run: run.metrics["forget_quality"] or 0.0)
-    return max(runs, key=lambda run: run.metrics["retain_utility"] or 0.0)
+        return max(kept, key=scorecard.forgetting_score)
+    return max(runs, key=lambda run: run.metrics[scorecard.utility] or 0.0)
 
 
 def format_value(value, pattern: str) -> str:
@@ -100,11 +196,11 @@ def format_params(params: Mapping) -> str:
     return ", ".join(f"{key}={value}" for key, value in params.items())
 
 
-def table(rows: Mapping[str, EvaluatedModel]) -> str:
-    headers = ["model", *(header for _, header, _ in COLUMNS), "wall time", "hyperparameters"]
+def table(rows: Mapping[str, EvaluatedModel], columns: Sequence = COLUMNS) -> str:
+    headers = ["model", *(header for _, header, _ in columns), "wall time", "hyperparameters"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for name, run in rows.items():
-        cells = [format_value(run.metrics.get(key), pattern) for key, _, pattern in COLUMNS]
+        cells = [format_value(run.metrics.get(key), pattern) for key, _, pattern in columns]
         wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
         lines.append("| " + " | ".join([name, *cells, wall, format_params(run.params)]) + " |")
     return "\n".join(lines)
@@ -115,8 +211,11 @@ def plot(
     references: Mapping[str, EvaluatedModel],
     grids: Mapping[str, Sequence[EvaluatedModel]],
     selected,
+    scorecard: Scorecard | None = None,
 ) -> None:
-    """Retain utility (x) vs forget quality (y, log scale); every grid run faint, the selected one bold."""
+    """Utility (x) vs forgetting (y; TOFU: retain utility vs FQ, log scale); every grid run faint, the
+    selected one bold."""
+    scorecard = scorecard or TOFU
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +223,8 @@ def plot(
 
     def point(run: EvaluatedModel) -> tuple[float, float]:
         # KS p-values of a collapsed model reach 1e-100 and below: draw them on a floor of the log axis.
-        return run.metrics["retain_utility"] or 0.0, max(run.metrics["forget_quality"] or 0.0, FQ_FLOOR)
+        y = run.metrics[scorecard.forgetting] or 0.0
+        return run.metrics[scorecard.utility] or 0.0, max(y, FQ_FLOOR) if scorecard.log_y else y
 
     figure, axes = plt.subplots(figsize=(7, 5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -136,10 +236,11 @@ def plot(
     for marker, (name, run) in zip(("*", "P"), references.items(), strict=False):
         x, y = point(run)
         axes.scatter([x], [y], marker=marker, color="black", s=160, label=name, zorder=4)
-    axes.set_yscale("log")
-    axes.set_xlabel("retain utility (hmean of retain ROUGE, prob, truth ratio)")
-    axes.set_ylabel(f"forget quality (KS p-value vs Retain, log; < {FQ_FLOOR:g} drawn at it)")
-    axes.set_title("Retain utility vs forget quality (faint: other learning rates)")
+    if scorecard.log_y:
+        axes.set_yscale("log")
+    axes.set_xlabel(scorecard.x_label)
+    axes.set_ylabel(scorecard.y_label)
+    axes.set_title(scorecard.title)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(loc="best", fontsize=9)
     figure.tight_layout()
@@ -154,18 +255,20 @@ def write_report(
     title: str,
     notes: Sequence[str] = (),
     extra: Mapping | None = None,
+    scorecard: Scorecard | None = None,
 ) -> dict[str, Path]:
-    """Write summary.md, summary.json and mu_vs_fq.png to `out_dir`; return their paths.
+    """Write summary.md, summary.json and the plot (TOFU: mu_vs_fq.png) to `out_dir`; return their paths.
 
-    `references` must include "Original" (its retain utility anchors the selection rule);
+    `references` must include "Original" (its utility anchors the selection rule);
     `grids` maps each method to its runs; `extra` is stored as-is in the JSON (e.g. stage timings).
     """
+    scorecard = scorecard or TOFU
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    original_utility = references["Original"].metrics["retain_utility"] or 0.0
-    selected = {method: select_run(runs, original_utility) for method, runs in grids.items()}
+    original_utility = references["Original"].metrics[scorecard.utility] or 0.0
+    selected = {method: select_run(runs, original_utility, scorecard) for method, runs in grids.items()}
     ranked = dict(
-        sorted(selected.items(), key=lambda item: item[1].metrics["forget_quality"] or 0.0, reverse=True)
+        sorted(selected.items(), key=lambda item: scorecard.forgetting_score(item[1]), reverse=True)
     )
     all_runs = {
         f"{method} ({format_params(run.params)})": run for method, runs in grids.items() for run in runs
@@ -173,37 +276,37 @@ def write_report(
     markdown = [
         f"# {title}",
         "",
-        table({**references, **ranked}),
+        table({**references, **ranked}, scorecard.columns),
         "",
-        f"Methods are sorted by forget quality (FQ). Selection: {SELECTION_RULE}.",
+        f"Methods are sorted by {scorecard.ranked_by}. Selection: {scorecard.selection_rule}.",
         "",
-        UTILITY_NOTE,
+        scorecard.utility_note,
         "",
         "Wall time: the run that made the model (finetuning or unlearning), without its evaluation.",
         *[f"\n{note}" for note in notes],
         "",
         "## Every run",
         "",
-        table(all_runs),
+        table(all_runs, scorecard.columns),
         "",
-        "![retain utility vs forget quality](mu_vs_fq.png)",
+        f"![{scorecard.title}]({scorecard.plot_file})",
         "",
     ]
     paths = {
         "summary.md": out_dir / "summary.md",
         "summary.json": out_dir / "summary.json",
-        "plot": out_dir / "mu_vs_fq.png",
+        "plot": out_dir / scorecard.plot_file,
     }
     paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
     summary = {
         "title": title,
-        "selection_rule": SELECTION_RULE,
-        "utility_note": UTILITY_NOTE,
+        "selection_rule": scorecard.selection_rule,
+        "utility_note": scorecard.utility_note,
         "references": {name: vars(run) for name, run in references.items()},
         "selected": {method: vars(run) for method, run in ranked.items()},
         "runs": {method: [vars(run) for run in runs] for method, runs in grids.items()},
         **dict(extra or {}),
     }
     paths["summary.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
-    plot(paths["plot"], references, grids, selected)
+    plot(paths["plot"], references, grids, selected, scorecard)
     return paths

@@ -21,6 +21,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrai
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    return as_llama_style(tokenizer)
+
+
+def as_llama_style(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """A trained `tokenizers` object with BOS prepended on encode and Llama's special tokens."""
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
     )

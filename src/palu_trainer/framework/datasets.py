@@ -1,5 +1,6 @@
-"""Forget-set dataset with per-token PALU roles, and the collator that pads them."""
+"""Forget-set datasets with per-token PALU roles (QA rows, raw text), and the collator that pads them."""
 
+import difflib
 import logging
 import math
 
@@ -18,24 +19,99 @@ from palu_trainer.spans.format import (
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402
+from data.pretraining import PretrainingDataset  # noqa: E402
 from data.qa import QADataset  # noqa: E402
-from data.utils import IGNORE_INDEX  # noqa: E402
+from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
-class QAwithSpansDataset(QADataset):
-    """open-unlearning's QADataset whose items also carry `token_roles` (T,) from span annotations.
+class SpanRoles:
+    """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
 
-    Spans are validated against the dataset and every row is tokenised once, here, so that a bad
-    file or a template/tokenizer mismatch stops the run before training starts. The dataset owns the
-    initiating policy (`palu_trainer.method.initiating.InitiatingPolicy`: N = `num_initiating_tokens`,
-    `initiating_strategy`, `initiating_ratio`, `initiating_seed`, `merge_adjacent_spans`): roles are fixed
-    here for the whole run.
+    The dataset owns the initiating policy (`palu_trainer.method.initiating.InitiatingPolicy`: N =
+    `num_initiating_tokens`, `initiating_strategy`, `initiating_ratio`, `initiating_seed`,
+    `merge_adjacent_spans`): roles are fixed when it is built, for the whole run. Subclasses fill
+    `self.items` (dicts with `token_roles`, `spans_cut`, `spans_dropped`), then call `_log_summary` and
+    `_check_initiating_tokens`.
 
     `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
     the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
-    training: it stops here. `auto` is one per 10 forget rows (rounded up); 0 allows it.
+    training: it stops here. `auto` is one per 10 forget items (rounded up); 0 allows it.
+    """
+
+    def _read_spans(
+        self, span_annotations, policy: InitiatingPolicy, texts, field
+    ) -> list[list[tuple[int, int]]]:
+        """Validate the file against the dataset's `field` values (answers or texts); return their spans."""
+        self.span_annotations = str(span_annotations)
+        self.initiating_policy = policy
+        rows = read_annotations(self.span_annotations, field)
+        spans = validate_annotations(rows, texts, source=self.span_annotations, field=field)
+        warning = word_cut_warning(texts, spans, self.span_annotations)
+        if warning:
+            logger.warning(warning)
+        return spans
+
+    def __getitem__(self, idx):
+        return self.items[idx]
+
+    def __len__(self):
+        return len(self.items)
+
+    def _check_initiating_tokens(self, min_initiating_tokens):
+        source = "set"
+        if min_initiating_tokens == "auto":
+            min_initiating_tokens, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
+        if (
+            isinstance(min_initiating_tokens, bool)
+            or not isinstance(min_initiating_tokens, int)
+            or min_initiating_tokens < 0
+        ):
+            raise ValueError(
+                f"min_initiating_tokens must be auto or an integer >= 0, got {min_initiating_tokens!r}"
+            )
+        found = sum(count_roles(item["token_roles"])["n_initiating"] for item in self.items)
+        logger.info(
+            "min_initiating_tokens=%d (%s); the forget set has %d", min_initiating_tokens, source, found
+        )
+        if found < min_initiating_tokens:
+            dropped = sum(item["spans_dropped"] for item in self.items)
+            raise AnnotationError(
+                f"{self.span_annotations}: {found} initiating tokens in {len(self.items)} forget rows, fewer "
+                f"than min_initiating_tokens={min_initiating_tokens} ({sum(map(len, self.spans))} spans, "
+                f"{dropped} of them dropped by max_length={self.max_length}): "
+                "PALU's forget loss would be ~0 and the run retain-only training. Annotate the spans, raise "
+                "max_length, or set min_initiating_tokens=0 to train anyway"
+            )
+
+    def _log_summary(self, unit: str, extra: str = ""):
+        roles = torch.cat([item["token_roles"] for item in self.items])
+        counts = count_roles(roles)
+        logger.info(
+            "%s: %d %s, %d spans (%d rows without a span), %d spans cut and %d dropped by max_length=%d%s; "
+            "%s; tokens: %d initiating, %d common, %d redundant",
+            self.span_annotations,
+            len(self.items),
+            unit,
+            sum(len(spans) for spans in self.spans),
+            sum(1 for spans in self.spans if not spans),
+            sum(item["spans_cut"] for item in self.items),
+            sum(item["spans_dropped"] for item in self.items),
+            self.max_length,
+            extra,
+            self.initiating_policy,
+            counts["n_initiating"],
+            counts["n_common"],
+            counts["n_redundant"],
+        )
+
+
+class QAwithSpansDataset(SpanRoles, QADataset):
+    """open-unlearning's QADataset whose items also carry `token_roles` (T,) from span annotations.
+
+    Spans are validated against the dataset and every row is tokenised once, here, so that a bad
+    file or a template/tokenizer mismatch stops the run before training starts.
     """
 
     def __init__(
@@ -50,29 +126,16 @@ class QAwithSpansDataset(QADataset):
         *args,
         **kwargs,
     ):
-        self.initiating_policy = InitiatingPolicy(
-            num_initiating_tokens,
-            initiating_strategy,
-            initiating_ratio,
-            initiating_seed,
-            merge_adjacent_spans,
+        policy = InitiatingPolicy(
+            num_initiating_tokens, initiating_strategy, initiating_ratio, initiating_seed, merge_adjacent_spans
         )
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
-        self.span_annotations = str(span_annotations)
-        rows = read_annotations(self.span_annotations)
-        answers = self.data[self.answer_key]
-        self.spans = validate_annotations(rows, answers, source=self.span_annotations)
-        warning = word_cut_warning(answers, self.spans, self.span_annotations)
-        if warning:
-            logger.warning(warning)
+        self.spans = self._read_spans(span_annotations, policy, self.data[self.answer_key], field="answer")
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
-        self._log_summary()
+        self._log_summary("rows")
         self._check_initiating_tokens(min_initiating_tokens)
-
-    def __getitem__(self, idx):
-        return self.items[idx]
 
     def _item_with_roles(self, position: int) -> dict:
         row = self.data[position]
@@ -157,50 +220,151 @@ class QAwithSpansDataset(QADataset):
                     "tokenizers>=0.20.1"
                 )
 
-    def _check_initiating_tokens(self, min_initiating_tokens):
-        source = "set"
-        if min_initiating_tokens == "auto":
-            min_initiating_tokens, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
-        if (
-            isinstance(min_initiating_tokens, bool)
-            or not isinstance(min_initiating_tokens, int)
-            or min_initiating_tokens < 0
-        ):
-            raise ValueError(
-                f"min_initiating_tokens must be auto or an integer >= 0, got {min_initiating_tokens!r}"
-            )
-        found = sum(count_roles(item["token_roles"])["n_initiating"] for item in self.items)
-        logger.info(
-            "min_initiating_tokens=%d (%s); the forget set has %d", min_initiating_tokens, source, found
-        )
-        if found < min_initiating_tokens:
-            dropped = sum(item["spans_dropped"] for item in self.items)
-            raise AnnotationError(
-                f"{self.span_annotations}: {found} initiating tokens in {len(self.items)} forget rows, fewer "
-                f"than min_initiating_tokens={min_initiating_tokens} ({sum(map(len, self.spans))} spans, "
-                f"{dropped} of them dropped by max_length={self.max_length}): "
-                "PALU's forget loss would be ~0 and the run retain-only training. Annotate the spans, raise "
-                "max_length, or set min_initiating_tokens=0 to train anyway"
-            )
 
-    def _log_summary(self):
-        roles = torch.cat([item["token_roles"] for item in self.items])
-        counts = count_roles(roles)
-        logger.info(
-            "%s: %d rows, %d spans (%d rows without a span), %d spans cut and %d dropped by max_length=%d; "
-            "%s; tokens: %d initiating, %d common, %d redundant",
-            self.span_annotations,
-            len(self.items),
-            sum(len(spans) for spans in self.spans),
-            sum(1 for spans in self.spans if not spans),
-            sum(item["spans_cut"] for item in self.items),
-            sum(item["spans_dropped"] for item in self.items),
-            self.max_length,
-            self.initiating_policy,
-            counts["n_initiating"],
-            counts["n_common"],
-            counts["n_redundant"],
+class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
+    """open-unlearning's PretrainingDataset (MUSE's raw forget text) whose chunks carry `token_roles` (T,).
+
+    The framework joins the documents with "\\n\\n", tokenises the whole, cuts `max_length` tokens per
+    chunk, decodes each chunk to a string and tokenises that string again for training. Spans annotate
+    the documents (`text_sha1` files); here they are shifted into the joined text, each decoded chunk is
+    aligned back to the joined text it came from (identical in the common case, otherwise by matching
+    characters), and every final token gets the joined-text range of its characters, so roles are set on
+    the framework's own final tokens. A token none of whose characters can be placed in the joined text
+    (a byte-fallback or a multi-byte character cut at a chunk edge decodes to U+FFFD) gets no role
+    (IGNORED: no loss) and is counted; so are spans cut by a chunk edge (each part is a span of its own:
+    its first tokens in the chunk initiate it) and spans that lose tokens.
+    """
+
+    def __init__(
+        self,
+        hf_args,
+        template_args,
+        tokenizer,
+        span_annotations,
+        num_initiating_tokens=3,
+        initiating_strategy="first_n",
+        initiating_ratio=0.5,
+        initiating_seed=0,
+        merge_adjacent_spans=False,
+        min_initiating_tokens="auto",
+        text_key="text",
+        max_length=2048,
+    ):
+        policy = InitiatingPolicy(
+            num_initiating_tokens, initiating_strategy, initiating_ratio, initiating_seed, merge_adjacent_spans
         )
+        super().__init__(hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length)
+        texts = list(load_hf_dataset(**hf_args)[text_key])
+        self.spans = self._read_spans(span_annotations, policy, texts, field=text_key)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                f"{self.span_annotations}: placing spans on tokens needs a fast tokenizer (offset mapping); "
+                f"{type(tokenizer).__name__} is not one"
+            )
+        joined, joined_spans = join_with_spans(texts, self.spans)
+        encoding = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
+        self.stats = {
+            "spans_split": 0,
+            "tokens_unplaced": 0,
+            "span_tokens_unplaced": 0,
+            "chunks_realigned": 0,
+        }
+        self.items = [
+            self._chunk_with_roles(
+                index, joined, joined_spans, encoding["input_ids"], encoding["offset_mapping"]
+            )
+            for index in range(len(self.chunks))
+        ]
+        stats = self.stats
+        self._log_summary(
+            f"chunks of {len(texts)} documents",
+            f", {stats['spans_split']} split by a chunk edge; {stats['chunks_realigned']} chunks decode to "
+            f"other text than they cover, {stats['tokens_unplaced']} tokens ({stats['span_tokens_unplaced']} "
+            "in spans) could not be placed in the joined text and get no loss",
+        )
+        if stats["tokens_unplaced"]:
+            logger.warning(
+                "%s: %d tokens could not be placed in the joined text (role IGNORED, no loss)",
+                self.span_annotations,
+                stats["tokens_unplaced"],
+            )
+        self._check_initiating_tokens(min_initiating_tokens)
+
+    def _chunk_with_roles(self, index, joined, joined_spans, full_ids, full_offsets) -> dict:
+        length = self.max_length
+        window = slice(index * length, (index + 1) * length)
+        if self.tokenizer.decode(full_ids[window]) != self.chunks[index]:
+            raise AnnotationError(
+                f"{self.span_annotations}: chunk {index} differs from decoding its tokens of the joined "
+                "text; the framework's chunking changed, these roles would not fit its chunks"
+            )
+        chunk_offsets = full_offsets[window]
+        start, end = (chunk_offsets[0][0], chunk_offsets[-1][1]) if chunk_offsets else (0, 0)
+        item = PretrainingDataset.__getitem__(self, index)
+        item = {key: torch.as_tensor(value) for key, value in item.items()}
+        item["index"] = index
+        token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])
+        chunk_spans = [(max(a, start), min(b, end)) for a, b in joined_spans if a < end and b > start]
+        self.stats["spans_split"] += sum(1 for a, b in joined_spans if a < start < b)
+        assignment = assign_token_roles(
+            token_offsets,
+            (item["labels"] != IGNORE_INDEX).tolist(),
+            chunk_spans,
+            self.initiating_policy,
+            row=index,
+        )
+        roles = assignment.roles
+        # An unplaced token sits where the previous placed one ends: inside a span if that point is.
+        self.stats["span_tokens_unplaced"] += sum(
+            1 for position in unplaced if any(a <= token_offsets[position][0] < b for a, b in chunk_spans)
+        )
+        roles[unplaced] = int(TokenRole.IGNORED)
+        item["token_roles"] = roles
+        item["spans_cut"] = assignment.spans_cut
+        item["spans_dropped"] = assignment.spans_dropped
+        return item
+
+    def _joined_offsets(self, index, covered: str, covered_start: int, input_ids) -> tuple[list, list[int]]:
+        """Each final token's character range in the joined text, and the positions that cannot be placed."""
+        chunk = self.chunks[index]
+        encoding = self.tokenizer(chunk, add_special_tokens=True, return_offsets_mapping=True)
+        ids = input_ids.tolist()
+        if encoding["input_ids"][: len(ids)] != ids:
+            raise AnnotationError(
+                f"{self.span_annotations}: chunk {index}: tokenising it with offsets gave other tokens "
+                "than the framework's preprocessing; check the tokenizer"
+            )
+        to_joined = list(range(covered_start, covered_start + len(chunk)))
+        if chunk != covered:
+            self.stats["chunks_realigned"] += 1
+            to_joined = [-1] * len(chunk)
+            matcher = difflib.SequenceMatcher(None, chunk, covered, autojunk=False)
+            for block in matcher.get_matching_blocks():
+                for step in range(block.size):
+                    to_joined[block.a + step] = covered_start + block.b + step
+        offsets, unplaced, previous_end = [], [], covered_start
+        for position, (start, end) in enumerate(encoding["offset_mapping"][: len(ids)]):
+            placed = [to_joined[char] for char in range(start, end) if to_joined[char] >= 0]
+            if end > start and not placed and position > 0:
+                unplaced.append(position)
+                offsets.append((previous_end, previous_end))
+                continue
+            if placed:
+                previous_end = placed[-1] + 1
+                offsets.append((placed[0], previous_end))
+            else:
+                offsets.append((previous_end, previous_end))
+        self.stats["tokens_unplaced"] += len(unplaced)
+        return offsets, unplaced
+
+
+def join_with_spans(texts, spans) -> tuple[str, list[tuple[int, int]]]:
+    """The framework's joined text ("\\n\\n" between documents) and the documents' spans shifted into it."""
+    joined_spans, offset = [], 0
+    for text, text_spans in zip(texts, spans):
+        joined_spans += [(start + offset, end + offset) for start, end in text_spans]
+        offset += len(text) + 2
+    return "\n\n".join(texts), joined_spans
 
 
 class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
@@ -213,20 +377,16 @@ class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
         super().__init__(tokenizer, padding_side=padding_side, index=index)
 
     def __call__(self, instances):
+        if "input_ids" in instances[0] and self.index and self.index not in instances[0]:
+            # the framework's PretrainingDataset chunks (MUSE's retain set) carry no row index, and only
+            # forget rows need one; the stock collator would refuse the batch
+            index, self.index = self.index, None
+            try:
+                return super().__call__(instances)
+            finally:
+                self.index = index
         batch = super().__call__(instances)
         if "token_roles" in instances[0]:
             roles = [instance["token_roles"] for instance in instances]
             batch["token_roles"] = self._pad_tokens(roles, int(TokenRole.IGNORED))
         return batch
-
-
-def require_token_roles(trainer, method: str, experiment: str) -> None:
-    """Stop before training when a span-based trainer's forget batches carry no `token_roles`."""
-    forget = getattr(trainer.train_dataset, "forget", None)
-    if forget is None or len(forget) == 0:
-        return
-    if "token_roles" not in trainer.data_collator([forget[0]]):
-        raise ValueError(
-            f"{method} needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
-            f"forget set and the DataCollatorWithTokenRoles collator ({experiment} does)"
-        )

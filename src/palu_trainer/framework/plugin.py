@@ -1,7 +1,7 @@
 """Top floor: PALU's classes in open-unlearning's registries, local dataset mirrors, entry points.
 
 `palu-train` and `palu-eval` run the framework's own `train.py`/`eval.py` `main` under a Hydra app that
-first registers PALU and points hub dataset loads at local mirrors (`TOFU_DIR`).
+first registers PALU and points hub dataset loads at local mirrors (`TOFU_DIR`, `MUSE_DIR`).
 """
 
 import functools
@@ -21,7 +21,7 @@ from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_i
 logger = logging.getLogger(__name__)
 
 # Hub dataset ids that an environment variable can point at a local directory with the same configs.
-LOCAL_MIRRORS = {"locuslab/TOFU": "TOFU_DIR"}
+LOCAL_MIRRORS = {"locuslab/TOFU": "TOFU_DIR", "muse-bench/MUSE-News": "MUSE_DIR"}
 
 
 def register() -> None:
@@ -31,11 +31,16 @@ def register() -> None:
     import trainer
     from omegaconf import OmegaConf
 
-    from palu_trainer.framework.datasets import DataCollatorWithTokenRoles, QAwithSpansDataset
+    from palu_trainer.framework.datasets import (
+        DataCollatorWithTokenRoles,
+        PretrainingWithSpansDataset,
+        QAwithSpansDataset,
+    )
     from palu_trainer.framework.trainers.palu import PALUTrainer
     from palu_trainer.framework.trainers.tpo import TPOTrainer
 
     data._register_data(QAwithSpansDataset)
+    data._register_data(PretrainingWithSpansDataset)
     data._register_collator(DataCollatorWithTokenRoles)
     trainer._register_trainer(PALUTrainer)
     trainer._register_trainer(TPOTrainer)
@@ -52,7 +57,7 @@ def trainer_config(name: str, overrides=()):
 
 
 def dataset_loads(cfg, trail: str = ""):
-    """Yield (config path, hf_args node) for every dataset load in a composed config."""
+    """Yield (config path, hf_args node) for every dataset load in a composed config (few-shot ones too)."""
     from omegaconf import DictConfig, ListConfig
 
     if isinstance(cfg, DictConfig):
@@ -64,7 +69,7 @@ def dataset_loads(cfg, trail: str = ""):
     for key, child in items:
         if not isinstance(child, (DictConfig, ListConfig)) or child._is_interpolation():
             continue
-        if key == "hf_args" and isinstance(child, DictConfig):
+        if str(key).endswith("hf_args") and isinstance(child, DictConfig):
             yield f"{trail}.{key}".lstrip("."), child
         else:
             yield from dataset_loads(child, f"{trail}.{key}")
@@ -92,7 +97,7 @@ def mirror_cache_dir(mirror_dir: Path) -> Path:
 def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
     """Point every load of a mirrored hub dataset at its local directory; return what changed.
 
-    Fails before anything loads when the directory lacks a config some load needs. Each load gets the
+    Fails before anything loads when the directory lacks a config or split some load needs. Each load gets the
     mirror's own cache folder (`mirror_cache_dir`), so it reads the mirror's current files.
     """
     from omegaconf import open_dict
@@ -107,12 +112,15 @@ def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
         for where, hf_args in dataset_loads(cfg):
             if hf_args.get("path") != hub_id:
                 continue
-            name = hf_args.get("name")
-            if name not in available:
+            name, split = hf_args.get("name"), hf_args.get("split", "train")
+            if name not in available or split not in available[name]:
+                missing = f"config {name!r}" + (f" with split {split!r}" if name in available else "")
+                offered = ", ".join(
+                    f"{config}/{'|'.join(sorted(splits))}" for config, splits in available.items()
+                )
                 raise FileNotFoundError(
-                    f"{variable}={mirror_dir} has no dataset config {name!r}, needed by {where}. "
-                    f"It offers: {', '.join(sorted(available))}. Add that split to the mirror or "
-                    "drop the metric/dataset that needs it."
+                    f"{variable}={mirror_dir} has no dataset {missing}, needed by {where}. It offers: "
+                    f"{offered}. Add that split to the mirror or drop the metric/dataset that needs it."
                 )
             cache_dir = cache_dir or mirror_cache_dir(mirror_dir)
             with open_dict(hf_args):

@@ -111,6 +111,20 @@ def build_reference_cache(
     return cache
 
 
+def estimated_nbytes(roles: Iterable[torch.Tensor], top_k: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Host bytes `build_reference_cache` would hold for forget rows with these (T,) role tensors.
+
+    Per common position: V probabilities in `dtype` and one fp32 entropy; per initiating position: K int32
+    indices and one fp32 mean. Counted before anything is built, from the roles alone.
+    """
+    common = initiating = 0
+    for row_roles in roles:
+        common += int((row_roles[1:] == TokenRole.COMMON).sum())
+        initiating += int((row_roles[1:] == TokenRole.INITIATING).sum())
+    item_size = torch.empty((), dtype=dtype).element_size()
+    return common * (vocab_size * item_size + 4) + initiating * (top_k * 4 + 4)
+
+
 def describe(cache: ReferenceCache, top_k: int, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     initiating = sum(t.shape[0] for t in cache.topk_indices.values())

@@ -23,12 +23,14 @@ def main(argv=None) -> None:
     tpo.add_argument("tpo_file", help="JSON lines with `answer` and `spans: [{start, end}]`")
     tpo.add_argument("out_file", help="annotation file to write (span_annotations/ format)")
 
-    annotate = commands.add_parser("annotate", help="mark the sensitive spans of a QA dataset's answers")
+    annotate = commands.add_parser(
+        "annotate", help="mark the sensitive spans of a QA dataset's answers, or of raw texts (--text-key)"
+    )
     _add_dataset_arguments(annotate, required=True)
     annotate.add_argument(
         "--background",
-        help="dataset giving word statistics, about other subjects (TOFU: the retain split); "
-        "default: the dataset itself",
+        help="dataset giving word statistics, about other subjects (TOFU: the retain split; MUSE-News: "
+        "sust/forget_2); default: the dataset itself",
     )
     annotate.add_argument("--background-name", help="configuration of the background dataset")
     annotate.add_argument("--background-split", default="train")
@@ -62,6 +64,10 @@ def _add_dataset_arguments(parser, required: bool):
     parser.add_argument("--split", default="train")
     parser.add_argument("--question-key", default="question")
     parser.add_argument("--answer-key", default="answer")
+    parser.add_argument(
+        "--text-key",
+        help="raw-text mode: rows are documents with this field (MUSE: text), no question; spans index it",
+    )
 
 
 def _run_import_tpo(args):
@@ -70,17 +76,36 @@ def _run_import_tpo(args):
 
 
 def _run_annotate(args):
-    from palu_trainer.spans.annotator import Background, annotate
+    from palu_trainer.spans.annotator import Background, annotate, annotate_texts
 
     rows = _dataset_rows(args)
     background_rows = rows
     if args.background:
         background_rows = _load_rows(args.background, args.background_name, args.background_split)
-    background = Background(f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows)
-    spans = annotate(rows, background, args.question_key, args.answer_key)
-    write_annotations(args.out, [row[args.answer_key] for row in rows], spans)
+    if args.text_key:
+        for dataset, name in ((args.dataset, args.name), (args.background, args.background_name)):
+            if name in EVALUATION_CONFIGS:
+                raise AnnotationError(
+                    f"{dataset} config {name!r} is an evaluation set (MUSE's "
+                    f"{', '.join(EVALUATION_CONFIGS)}): annotating or reading it would tune spans on what "
+                    "measures the unlearning"
+                )
+        texts = [row[args.text_key] for row in rows]
+        spans = annotate_texts(texts, Background(row[args.text_key] for row in background_rows))
+    else:
+        background = Background(
+            f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows
+        )
+        spans = annotate(rows, background, args.question_key, args.answer_key)
+        texts = [row[args.answer_key] for row in rows]
+    write_annotations(args.out, texts, spans, field=_field(args))
     empty = sum(not row_spans for row_spans in spans)
-    print(f"wrote {len(rows)} rows ({empty} without spans) to {args.out}")
+    density = sum(end - start for row_spans in spans for start, end in row_spans) / max(
+        sum(map(len, texts)), 1
+    )
+    print(
+        f"wrote {len(rows)} rows ({empty} without spans, {density:.1%} of characters in spans) to {args.out}"
+    )
 
 
 def _run_score(args):
@@ -92,7 +117,8 @@ def _run_score(args):
             "neither file has the answers (TPO format): pass --dataset to define the answers' words"
         )
     reference, candidate = (
-        _spans_for(path, found, answers) for path, found in zip((args.reference, args.candidate), tpo_answers)
+        _spans_for(args, path, found, answers)
+        for path, found in zip((args.reference, args.candidate), tpo_answers)
     )
     span_counts = f"{sum(map(len, reference))} reference and {sum(map(len, candidate))} candidate spans"
     print(f"{len(answers)} rows, {span_counts}")
@@ -102,12 +128,16 @@ def _run_score(args):
 
 def _run_validate(args):
     answers = _dataset_answers(args)
-    spans = validate_annotations(read_annotations(args.file), answers, source=args.file)
+    field = _field(args)
+    spans = validate_annotations(read_annotations(args.file, field), answers, source=args.file, field=field)
     print(f"{args.file}: {len(answers)} rows match the dataset")
     warning = word_cut_warning(answers, spans, args.file)
     if warning:
         print(f"palu-annotate validate: warning: {warning}", file=sys.stderr)
 
+
+# MUSE's evaluation configs: the annotator never reads them.
+EVALUATION_CONFIGS = ("knowmem", "verbmem", "privleak")
 
 COMMANDS = {
     "import-tpo": _run_import_tpo,
@@ -126,14 +156,21 @@ def _load_rows(dataset, name, split) -> list[dict]:
     return load_qa_rows(dataset, name, split)
 
 
+def _field(args) -> str:
+    """The annotated field, which names the files' fingerprint key: answer (QA rows) or the text key."""
+    return args.text_key or "answer"
+
+
 def _dataset_rows(args) -> list[dict]:
     rows = _load_rows(args.dataset, args.name, args.split)
     if not rows:
         raise AnnotationError(f"{args.dataset}: no rows (empty file or split); nothing to annotate")
-    missing = {args.question_key, args.answer_key} - set(rows[0])
+    keys = {args.text_key} if args.text_key else {args.question_key, args.answer_key}
+    missing = keys - set(rows[0])
     if missing:
         raise AnnotationError(
-            f"{args.dataset}: rows have no {sorted(missing)}; name the keys with --question-key/--answer-key"
+            f"{args.dataset}: rows have no {sorted(missing)}; name the keys with "
+            + ("--text-key" if args.text_key else "--question-key/--answer-key")
         )
     for position, row in enumerate(rows):
         for key in (args.question_key, args.answer_key):
@@ -146,7 +183,7 @@ def _dataset_rows(args) -> list[dict]:
 
 
 def _dataset_answers(args) -> list[str]:
-    return [row[args.answer_key] for row in _dataset_rows(args)]
+    return [row[args.text_key or args.answer_key] for row in _dataset_rows(args)]
 
 
 def _read_tpo_or_none(path) -> tuple[list[str], list] | None:
@@ -156,10 +193,11 @@ def _read_tpo_or_none(path) -> tuple[list[str], list] | None:
     return read_tpo(path) if "answer" in json.loads(first) else None
 
 
-def _spans_for(path, tpo, answers):
+def _spans_for(args, path, tpo, answers):
     """A file's spans, checked against the answers: fingerprints for an annotation file, text for TPO."""
     if tpo is None:
-        return validate_annotations(read_annotations(path), answers, source=str(path))
+        field = _field(args)
+        return validate_annotations(read_annotations(path, field), answers, source=str(path), field=field)
     tpo_answers, spans = tpo
     if len(tpo_answers) != len(answers):
         raise AnnotationError(f"{path}: {len(tpo_answers)} rows but {len(answers)} answers to score on")

@@ -14,7 +14,12 @@ from palu_trainer.method.losses import (
     reference_targets,
     resolve_top_k,
 )
-from palu_trainer.method.reference_cache import build_reference_cache, cache_dtype, describe
+from palu_trainer.method.reference_cache import (
+    build_reference_cache,
+    cache_dtype,
+    describe,
+    estimated_nbytes,
+)
 from palu_trainer.method.roles import count_roles
 
 ensure_importable()
@@ -45,6 +50,9 @@ class PALUTrainer(GradDiff):
             the first step the policy, whose weights are still the reference, runs once over the forget
             set and PALU's reference targets are kept per row on host memory; no reference model exists.
         reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached probabilities.
+        reference_cache_max_gib: with `auto`, the cache is only built when its estimate (common positions
+            x |V| probabilities, per rank: every rank holds the whole forget set) fits this budget;
+            above it the reference model is kept instead, and the log says why.
 
     Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
     policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
@@ -60,6 +68,7 @@ class PALUTrainer(GradDiff):
         merge_adjacent_spans=False,
         reference_cache="auto",
         reference_cache_dtype="float32",
+        reference_cache_max_gib=16.0,
         *args,
         **kwargs,
     ):
@@ -80,6 +89,7 @@ class PALUTrainer(GradDiff):
         self.top_k = resolve_top_k(top_k, self.model.config.vocab_size)
         self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
+        self.reference_cache_max_gib = float(reference_cache_max_gib)
         self.uses_reference_cache = self._cache_wanted(reference_cache)
         self.reference_cache = None
         if not self.uses_reference_cache and self.ref_model is None:
@@ -112,6 +122,8 @@ class PALUTrainer(GradDiff):
                 "retain_loss_type=KL reads the reference on retain rows: reference model kept, no cache"
             )
             return False
+        if reference_cache == "auto":
+            return self._cache_fits()
         return bool(reference_cache)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -125,6 +137,27 @@ class PALUTrainer(GradDiff):
                 )
             self.reference_cache = self._build_reference_cache(self.model)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _cache_fits(self) -> bool:
+        """Whether the estimated cache of the forget set fits `reference_cache_max_gib` (checked per rank)."""
+        forget = getattr(self.train_dataset, "forget", None)
+        if forget is None:
+            return True
+        roles = (forget[index]["token_roles"] for index in range(len(forget)))
+        vocab_size = self.model.config.vocab_size
+        gib = estimated_nbytes(roles, self.top_k, vocab_size, self.reference_cache_dtype) / 2**30
+        if gib <= self.reference_cache_max_gib:
+            return True
+        logger.info(
+            "reference_cache=auto: the forget set's cache would take %.1f GiB of host memory per rank "
+            "(common positions x |V|=%d probabilities in %s) > reference_cache_max_gib=%.1f: keeping the "
+            "reference model instead (raise the budget, or set reference_cache_dtype=bfloat16, to cache)",
+            gib,
+            vocab_size,
+            str(self.reference_cache_dtype).removeprefix("torch."),
+            self.reference_cache_max_gib,
+        )
+        return False
 
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
