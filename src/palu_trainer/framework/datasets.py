@@ -127,7 +127,11 @@ class QAwithSpansDataset(SpanRoles, QADataset):
         **kwargs,
     ):
         policy = InitiatingPolicy(
-            num_initiating_tokens, initiating_strategy, initiating_ratio, initiating_seed, merge_adjacent_spans
+            num_initiating_tokens,
+            initiating_strategy,
+            initiating_ratio,
+            initiating_seed,
+            merge_adjacent_spans,
         )
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
@@ -251,7 +255,11 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         max_length=2048,
     ):
         policy = InitiatingPolicy(
-            num_initiating_tokens, initiating_strategy, initiating_ratio, initiating_seed, merge_adjacent_spans
+            num_initiating_tokens,
+            initiating_strategy,
+            initiating_ratio,
+            initiating_seed,
+            merge_adjacent_spans,
         )
         super().__init__(hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length)
         texts = list(load_hf_dataset(**hf_args)[text_key])
@@ -390,3 +398,15 @@ class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
             roles = [instance["token_roles"] for instance in instances]
             batch["token_roles"] = self._pad_tokens(roles, int(TokenRole.IGNORED))
         return batch
+
+
+def require_token_roles(trainer, method: str, experiment: str) -> None:
+    """Stop before training when a span-based trainer's forget batches carry no `token_roles`."""
+    forget = getattr(trainer.train_dataset, "forget", None)
+    if forget is None or len(forget) == 0:
+        return
+    if "token_roles" not in trainer.data_collator([forget[0]]):
+        raise ValueError(
+            f"{method} needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
+            f"forget set and the DataCollatorWithTokenRoles collator ({experiment} does)"
+        )

@@ -5,6 +5,7 @@ import logging
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.method.losses import (
     check_kl_direction,
     check_kl_weight,
@@ -108,11 +109,7 @@ class PALUTrainer(GradDiff):
                 f"initiating policy has merge_adjacent_spans={policy.merge_adjacent_spans}: pass the "
                 "trainer's value to the dataset (experiment=unlearn/tofu/palu does)"
             )
-        if "token_roles" not in self.data_collator([forget[0]]):
-            raise ValueError(
-                "PALU needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
-                "forget set and the DataCollatorWithTokenRoles collator (experiment=unlearn/tofu/palu does)"
-            )
+        require_token_roles(self, "PALU", "experiment=unlearn/tofu/palu")
 
     def _cache_wanted(self, reference_cache) -> bool:
         if reference_cache not in ("auto", True, False):
