@@ -97,7 +97,7 @@ def test_report_notes_name_pdu_settings_and_the_local_idk_answers(tmp_path):
     assert demo.method_notes(("NPO", "TPO", "PALU"), benchmark) == []
 
 
-def test_muse_demo_runs_table_entries_on_muse(with_grad_ascent, tmp_path):
+def test_muse_demo_runs_table_entries_on_muse(tmp_path):
     benchmark = MuseBenchmark(tmp_path, tmp_path / "s.jsonl", {}, "", Agreement(1, 0, 0))
     runner = demo.MuseDemo(benchmark, demo.MUSE_SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
     assert runner.env["MUSE_DIR"] == str(tmp_path)

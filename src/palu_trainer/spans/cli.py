@@ -173,7 +173,7 @@ def _dataset_rows(args) -> list[dict]:
             + ("--text-key" if args.text_key else "--question-key/--answer-key")
         )
     for position, row in enumerate(rows):
-        for key in (args.question_key, args.answer_key):
+        for key in sorted(keys):
             if not isinstance(row[key], str):
                 raise AnnotationError(
                     f"{args.dataset} row {position}, field {key!r}: {row[key]!r} is not text; "
