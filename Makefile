@@ -22,10 +22,14 @@ LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 
-# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
+# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name] [JOBS=2]: the offline miniature experiment,
+# results/<run>/; make ablation [AXES="k n c strategy"] and make convergence [METHODS="PALU NPO"] (the
+# paper's Figures 4 and 5) take the same options, results/ablation/ and results/convergence/.
 DATA ?= synthetic
+MINIATURE_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
+	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup test lint format tofu compare tofu-sweep demo bench
+.PHONY: setup test lint format tofu compare tofu-sweep tofu-ablation demo ablation convergence bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -46,8 +50,13 @@ bench:
 	$(PY) perf/bench.py --out results/bench.json
 
 demo:
-	$(PY) -m palu_trainer.experiments.demo --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) \
-		$(if $(JOBS),--jobs $(JOBS)) $(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
+	$(PY) -m palu_trainer.experiments.demo $(MINIATURE_ARGS)
+
+ablation:
+	$(PY) -m palu_trainer.experiments.ablation $(MINIATURE_ARGS) $(if $(AXES),--axes $(AXES))
+
+convergence:
+	$(PY) -m palu_trainer.experiments.convergence $(MINIATURE_ARGS) $(if $(METHODS),--methods $(METHODS))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
@@ -59,3 +68,8 @@ compare:
 tofu-sweep:
 	for lr in 1e-5 2e-5 5e-5; do for lambda in 1 2 5 10; do \
 	  $(MAKE) --no-print-directory tofu LR=$$lr LAMBDA=$$lambda || exit $$?; done; done
+
+# PALU at every point of one of the paper's ablation axes (experiments/ablation.py AXES).
+AXIS ?= k
+tofu-ablation:
+	$(RECIPE) --kl-weight $(LAMBDA) --ablation $(AXIS)

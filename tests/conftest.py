@@ -77,3 +77,9 @@ def read_jsonl(path: Path) -> list[dict]:
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def fast_results(tmp_path_factory) -> Path:
+    """One results/ folder for the FAST miniature's tests: its .cache holds Original and Retain, made once."""
+    return tmp_path_factory.mktemp("results")

@@ -75,3 +75,14 @@ def test_only_the_table_names_methods():
         assert not hasattr(module, "ALL_METHODS") and not hasattr(module, "EXPERIMENTS")
     bench_source = (ROOT / "perf" / "bench.py").read_text()
     assert '"NPO": (' not in bench_source and "METHODS = {" not in bench_source
+
+
+def test_every_method_gets_the_same_tuning_budget():
+    """The demo grids the learning rate times one knob per method, as many values each; FAST: no knob."""
+    grids = {name: demo.knob_grid(name, tune_knobs=True) for name in side_by_side_methods()}
+    assert len({len(grid) for grid in grids.values()}) == 1 and len(grids["PALU"]) == 3
+    assert grids["NPO"][1] == ({"beta": 0.1}, ["trainer.method_args.beta=0.1"])  # the stock value is in
+    assert grids["PALU"][0][1] == ["trainer.method_args.kl_weight=1.0"]
+    assert demo.knob_grid("PALU", tune_knobs=False) == [({}, [])]
+    budget = demo.tuning_budget(["NPO", "PALU"], (1e-3, 3e-3), tune_knobs=True)
+    assert "NPO 6 runs: lr [0.001, 0.003] x beta [0.05, 0.1, 0.5]" in budget and "PALU 6 runs" in budget

@@ -93,3 +93,15 @@ def test_compare_renders_one_table_from_the_framework_evaluations(tmp_path, monk
     table = paths["summary.md"].read_text()
     assert "| PALU | 0.01 |" in table and "| 120 s |" in table
     assert paths["plot"].stat().st_size > 10_000
+
+
+def test_make_tofu_ablation_plans_every_point_of_the_axis_then_fails_fast():
+    result = make("tofu-ablation", "FORGET=05", "AXIS=strategy")
+    assert result.returncode != 0 and "CUDA GPU(s) needed, 0 visible" in result.stderr
+    unlearn_lines = [line for line in result.stdout.splitlines() if "--config-name=unlearn.yaml" in line]
+    assert len(unlearn_lines) == 6 and all("trainer=PALU" in line for line in unlearn_lines)
+    assert unlearn_lines[1].endswith("initiating_strategy=random_n num_initiating_tokens=3")
+    assert (
+        "task_name=tofu_Llama-2-7b-chat-hf_forget05_PALU_lr1e-5_lambda1.0_strategy-first-25pct"
+        in (unlearn_lines[3])
+    )

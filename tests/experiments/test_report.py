@@ -58,3 +58,20 @@ def test_write_report_makes_table_json_and_png(tmp_path):
     summary = json.loads(paths["summary.json"].read_text())
     assert summary["selected"]["PALU"]["params"] == {"lr": 1e-3} and summary["stage_times_s"] == {"x": 1}
     assert paths["plot"].read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_papers_tables_read_their_metrics_and_name_what_needs_the_hub(tmp_path):
+    path = eval_json(tmp_path, "m", 0.2, 0.5)
+    logs = json.loads(path.read_text())
+    paper_keys = {"exact_memorization": 0.97, "forget_truth_ratio": 0.6, "ra_Truth_Ratio": 0.4,
+                  "wf_Truth_Ratio": 0.45, "mia_loss": 0.99, "mia_zlib": 0.98, "mia_min_k": 0.97,
+                  "mia_min_k_plus_plus": 0.71}  # fmt: skip
+    path.write_text(json.dumps({**logs, **{key: {"agg_value": value} for key, value in paper_keys.items()}}))
+    run = report.run_from_eval(path)
+    assert run.metrics["exact_memorization"] == 0.97 and run.metrics["mia_min_k_plus_plus"] == 0.71
+    table_1 = report.table({"PALU": run}, report.PAPER_TABLE_1)
+    assert "| PALU | 0.2 | 0.000 | 0.970 | 0.600 | 0.500 | 0.400 | 0.450 | needs hub |" in table_1
+    assert "| PALU | 0.990 | 0.980 | 0.970 | 0.710 |" in report.table({"PALU": run}, report.PAPER_TABLE_2)
+    logs["forget_Q_A_gibberish"] = {"agg_value": 0.93}  # with the classifier available, the column fills in
+    path.write_text(json.dumps(logs))
+    assert "| 0.930 |" in report.table({"PALU": report.run_from_eval(path)}, report.PAPER_TABLE_1)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,11 +44,12 @@ class Size:
     unlearn_batch_size: int
     learning_rates: tuple[float, ...]
     max_new_tokens: int
+    tune_knobs: bool  # grid every method's own knob (methods.Knob) besides the learning rate
 
 
 SIZES = {
-    "full": Size(40, 128, 2, 4096, 25, 3e-3, 10, 8, (3e-4, 1e-3, 3e-3), 48),
-    "fast": Size(16, 64, 2, 1024, 30, 5e-3, 5, 8, (1e-3,), 32),
+    "full": Size(40, 128, 2, 4096, 25, 3e-3, 10, 8, (3e-4, 1e-3, 3e-3), 48, True),
+    "fast": Size(16, 64, 2, 1024, 30, 5e-3, 5, 8, (1e-3,), 32, False),
 }
 FRAMEWORK_ENTRY = "from palu_trainer.framework.plugin import {0}_main; {0}_main()"
 CPU_TRAINING = [
@@ -217,13 +218,20 @@ class Demo:
     def benchmark_digest(self) -> list[str]:
         return [file_digest(*self.benchmark.tofu_dir.glob("*.json"))]
 
-    def unlearn_and_evaluate(self, method: str, learning_rate: float, original_dir: Path, retain_logs):
+    def unlearn_and_evaluate(
+        self, method: str, learning_rate: float, original_dir: Path, retain_logs, extra=(), name=None
+    ):
         """Unlearn Original with `method`, then evaluate; return (TOFU_EVAL.json, unlearning seconds)."""
-        unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir)
+        unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir, extra, name)
         return self.evaluate(unlearned_dir.name, unlearned_dir, retain_logs, cache=False), seconds
 
-    def unlearn_overrides(self, method: str, learning_rate: float, original_dir: Path, out_dir: Path):
-        """The framework's train.py command line that unlearns Original with `method` (METHODS)."""
+    def unlearn_overrides(
+        self, method: str, learning_rate: float, original_dir: Path, out_dir: Path, extra=()
+    ) -> list[str]:
+        """The framework's train.py command line that unlearns Original with `method` (METHODS).
+
+        `extra` overrides come last (a knob's value, an ablation point).
+        """
         spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
         return [
             "--config-name=unlearn.yaml",
@@ -239,36 +247,86 @@ class Demo:
             f"trainer.args.per_device_train_batch_size={self.size.unlearn_batch_size}",
             f"task_name={out_dir.name}",
             f"paths.output_dir={out_dir}",
+            *extra,
         ]
 
-    def unlearn(self, method: str, learning_rate: float, original_dir: Path) -> tuple[Path, float]:
-        name = f"{method}_lr{learning_rate:g}"
+    def unlearn(
+        self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None
+    ) -> tuple[Path, float]:
+        name = name or f"{method}_lr{learning_rate:g}"
         out_dir = self.run_dir / "unlearn" / name
-        overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir)
+        overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir, extra)
         self.progress.say(f"unlearn {name} …")
         seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
         self.progress.stage(f"unlearn {name}", seconds)
         return out_dir, seconds
 
 
-def run(
+@dataclass
+class Miniature:
+    """What every experiment on the miniature starts from: data, tiny model, Original and Retain.
+
+    `original_eval` and `retain_eval` are futures of their TOFU_EVAL.json paths (evaluations run on the
+    pool while unlearning starts); `retain_eval.result` is what `Demo.evaluate` takes as `retain_logs`.
+    """
+
+    benchmark: TofuBenchmark
+    size: Size
+    demo: Demo
+    progress: Progress
+    original_dir: Path
+    original_seconds: float
+    retain_seconds: float
+    original_eval: Future
+    retain_eval: Future
+    data: str
+
+    def references(self) -> dict[str, report.EvaluatedModel]:
+        params = {"lr": self.size.finetune_learning_rate, "epochs": self.size.finetune_epochs}
+        references = {
+            "Original": report.run_from_eval(self.original_eval.result(), self.original_seconds, params),
+            "Retain": report.run_from_eval(self.retain_eval.result(), self.retain_seconds, params),
+        }
+        # Forget quality is a KS test against Retain's own truth ratios: for Retain itself, exactly 1.
+        references["Retain"].metrics["forget_quality"] = 1.0
+        return references
+
+    def notes(self) -> list[str]:
+        """The report's notes on the data and the model."""
+        benchmark, size = self.benchmark, self.size
+        notes = [
+            f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
+            f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
+            f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
+            f"vocabulary {size.vocab_size}; unlearning runs {size.unlearn_epochs} epochs from Original, "
+            f"batch {size.unlearn_batch_size}.",
+            "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
+            "privleak uses the stock reference AUC of 0.5.",
+        ]
+        if self.data == "synthetic":
+            notes.append(
+                "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
+            )
+        return notes
+
+
+def build_miniature(
     data: str,
     size_name: str,
     run_dir: Path,
     cache_dir: Path,
     seed: int,
+    pool: ThreadPoolExecutor,
+    progress: Progress,
     tofu_dir: Path | None = None,
     spans_file: Path | None = None,
-    jobs: int = 1,
-    methods: tuple[str, ...] | None = None,
-) -> dict[str, Path]:
+) -> Miniature:
+    """Data and tiny model in `run_dir`, Original and Retain finetuned (cached in `cache_dir`), evaluations
+    submitted to `pool`. Returns once Original and Retain exist."""
     size = SIZES[size_name]
-    methods = methods or side_by_side_methods(fast=size_name == "fast")
-    grid_runs = len(methods) * len(size.learning_rates)
-    progress = Progress(total_stages=6 + 2 * grid_runs)
     shutil.rmtree(run_dir / "datasets-cache", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    progress.say(f"demo: data={data}, size={size_name}, output {run_dir}")
+    progress.say(f"data={data}, size={size_name}, output {run_dir}")
 
     start = time.monotonic()
     data_dir = run_dir / "data"
@@ -292,54 +350,90 @@ def run(
     )
 
     demo = Demo(benchmark, size, run_dir, cache_dir, progress)
-    # Single-threaded framework processes, `jobs` at a time; every wait below is on a job submitted
+    # Single-threaded framework processes, `jobs` at a time; every wait on the pool is on a job submitted
     # earlier, which already holds a worker, so the pool cannot deadlock.
+    original = pool.submit(demo.finetune, "Original", model_dir, "full")
+    retain = pool.submit(demo.finetune, "Retain", model_dir, benchmark.retain_split)
+    (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
+    retain_eval = pool.submit(demo.evaluate, "Retain", retain_dir, lambda: None, cache=True)
+    original_eval = pool.submit(demo.evaluate, "Original", original_dir, retain_eval.result, cache=True)
+    return Miniature(
+        benchmark, size, demo, progress, original_dir, original_seconds, retain_seconds, original_eval,
+        retain_eval, data,
+    )  # fmt: skip
+
+
+MINIATURE_STAGES = 6  # data, model, two finetunings, two evaluations
+
+
+def knob_grid(method: str, tune_knobs: bool) -> list[tuple[dict, list[str]]]:
+    """(report params, overrides) per value of the method's knob; one stock run without a knob grid."""
+    knob = METHODS[method].knob
+    if not (tune_knobs and knob):
+        return [({}, [])]
+    return [({knob.name: value}, [f"{knob.key}={value}"]) for value in knob.values]
+
+
+def tuning_budget(methods, learning_rates, tune_knobs: bool) -> str:
+    """The report's line on how many runs each method had and over what."""
+    parts = []
+    for method in methods:
+        knob = METHODS[method].knob
+        runs = len(learning_rates) * len(knob_grid(method, tune_knobs))
+        grid = f" x {knob.name} {list(knob.values)} (`{knob.key}`)" if tune_knobs and knob else ""
+        parts.append(f"{method} {runs} runs: lr {list(learning_rates)}{grid}")
+    return "Tuning budget, the same for every method: " + "; ".join(parts) + "."
+
+
+def run(
+    data: str,
+    size_name: str,
+    run_dir: Path,
+    cache_dir: Path,
+    seed: int,
+    tofu_dir: Path | None = None,
+    spans_file: Path | None = None,
+    jobs: int = 1,
+    methods: tuple[str, ...] | None = None,
+) -> dict[str, Path]:
+    size = SIZES[size_name]
+    methods = methods or side_by_side_methods(fast=size_name == "fast")
+    grid = [
+        (method, learning_rate, params, overrides)
+        for method in methods
+        for learning_rate in size.learning_rates
+        for params, overrides in knob_grid(method, size.tune_knobs)
+    ]
+    progress = Progress(total_stages=MINIATURE_STAGES + 2 * len(grid))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        original = pool.submit(demo.finetune, "Original", model_dir, "full")
-        retain = pool.submit(demo.finetune, "Retain", model_dir, benchmark.retain_split)
-        (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
-        retain_eval = pool.submit(demo.evaluate, "Retain", retain_dir, lambda: None, cache=True)
-        original_eval = pool.submit(demo.evaluate, "Original", original_dir, retain_eval.result, cache=True)
+        mini = build_miniature(
+            data, size_name, run_dir, cache_dir, seed, pool, progress, tofu_dir, spans_file
+        )
         grid_jobs = {
-            (method, learning_rate): pool.submit(
-                demo.unlearn_and_evaluate, method, learning_rate, original_dir, retain_eval.result
+            (method, learning_rate, tuple(params.items())): pool.submit(
+                mini.demo.unlearn_and_evaluate,
+                method,
+                learning_rate,
+                mini.original_dir,
+                mini.retain_eval.result,
+                overrides,
+                f"{method}_lr{learning_rate:g}" + "".join(f"_{k}{v:g}" for k, v in params.items()),
             )
-            for method in methods
-            for learning_rate in size.learning_rates
+            for method, learning_rate, params, overrides in grid
         }
         grids: dict[str, list[report.EvaluatedModel]] = {}
-        for (method, learning_rate), job in grid_jobs.items():
+        for (method, learning_rate, params), job in grid_jobs.items():
             eval_json, seconds = job.result()
-            run_params = {"lr": learning_rate, "epochs": size.unlearn_epochs}
+            run_params = {"lr": learning_rate, **dict(params), "epochs": size.unlearn_epochs}
             grids.setdefault(method, []).append(report.run_from_eval(eval_json, seconds, run_params))
-        original_eval, retain_eval = original_eval.result(), retain_eval.result()
+        references = mini.references()
 
-    finetune_params = {"lr": size.finetune_learning_rate, "epochs": size.finetune_epochs}
-    references = {
-        "Original": report.run_from_eval(original_eval, original_seconds, finetune_params),
-        "Retain": report.run_from_eval(retain_eval, retain_seconds, finetune_params),
-    }
-    # Forget quality is a KS test against Retain's own truth ratios: for Retain itself, exactly 1.
-    references["Retain"].metrics["forget_quality"] = 1.0
-    notes = [
-        f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
-        f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
-        f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
-        f"vocabulary {size.vocab_size}; every method unlearns Original for {size.unlearn_epochs} epochs, "
-        f"batch {size.unlearn_batch_size}, learning rates {list(size.learning_rates)}, stock defaults.",
-        "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
-        "privleak uses the stock reference AUC of 0.5.",
-    ]
-    if data == "synthetic":
-        notes.append(
-            "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
-        )
     paths = report.write_report(
         run_dir,
         references,
         grids,
-        title=f"PALU vs stock unlearning methods — {benchmark.description}",
-        notes=notes,
+        title=f"PALU vs stock unlearning methods — {mini.benchmark.description}",
+        notes=[*mini.notes(), tuning_budget(methods, size.learning_rates, size.tune_knobs)],
         extra={
             "stage_times_s": progress.stage_times,
             "size": {**asdict(size), "methods": methods},
@@ -352,33 +446,49 @@ def run(
     return paths
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m palu_trainer.experiments.demo", description=__doc__.splitlines()[0]
-    )
+def add_miniature_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every experiment on the miniature shares (data, size, output, parallelism)."""
     parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic")
-    parser.add_argument("--fast", action="store_true", help="the ≤ 2 minute variant (tests)")
+    parser.add_argument("--fast", action="store_true", help="the small variant (tests)")
     parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
     parser.add_argument(
         "--spans", type=Path, help="forget05 span annotations, TPO-style or this project's (for --data tofu)"
     )
-    parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), help="unlearning methods to run (default: the table's)"
-    )
-    parser.add_argument("--run", help="results/<run>/ (default: data name, + '-fast')")
+    parser.add_argument("--run", help="results/<run>/ (default: the command's name, -tofu, -fast)")
     parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
+
+
+def parse_miniature_arguments(parser: argparse.ArgumentParser, argv, experiment: str = ""):
+    """Parse; fill the spans default for --data tofu; `args.run_dir` is results/<--run>, by default
+    results/<experiment>[-tofu][-fast] (the demo: results/<data>[-fast])."""
     args = parser.parse_args(argv)
     if args.data == "tofu":
         if not args.tofu_dir:
-            parser.error("--data tofu needs --tofu-dir (make demo DATA=tofu TOFU_DIR=...)")
+            parser.error("--data tofu needs --tofu-dir (DATA=tofu TOFU_DIR=...)")
         args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
-    run_name = args.run or args.data + ("-fast" if args.fast else "")
+    args.size = "fast" if args.fast else "full"
+    default_run = "-".join(
+        filter(None, [experiment, "" if experiment and args.data == "synthetic" else args.data])
+    )
+    args.run_dir = args.results / (args.run or default_run + ("-fast" if args.fast else ""))
+    return args
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m palu_trainer.experiments.demo", description=__doc__.splitlines()[0]
+    )
+    add_miniature_arguments(parser)
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), help="unlearning methods to run (default: the table's)"
+    )
+    args = parse_miniature_arguments(parser, argv)
     run(
         args.data,
-        "fast" if args.fast else "full",
-        args.results / run_name,
+        args.size,
+        args.run_dir,
         args.results / ".cache",
         args.seed,
         args.tofu_dir,

@@ -7,6 +7,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Knob:
+    """The one hyperparameter of a method that the demo tunes besides the learning rate (fair budget).
+
+    name: as the report lists it; key: the override that sets it; values: the grid, stock value included.
+    """
+
+    name: str
+    key: str
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Method:
     """How the side-by-side runs one method.
 
@@ -17,6 +29,7 @@ class Method:
     bench_variants: label -> extra `method_args`, one bench row each ("" is the stock config).
     side_by_side: run by `make demo` and `make compare` unless `--methods` names others.
     in_fast_demo: run by `make demo FAST=1` (and so by `make test`).
+    knob: its own hyperparameter in the demo's grid; every method gets as many values, so as many runs.
     """
 
     trainer: str
@@ -26,12 +39,14 @@ class Method:
     bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     side_by_side: bool = True
     in_fast_demo: bool = False
+    knob: Knob | None = None
 
 
 METHODS: dict[str, Method] = {
-    "GradDiff": Method("GradDiff"),
-    "NPO": Method("NPO", in_fast_demo=True),
-    "SimNPO": Method("SimNPO"),
+    # Each knob's grid brackets the framework's stock value (GradDiff alpha 1, NPO beta 0.1, SimNPO beta 4.5).
+    "GradDiff": Method("GradDiff", knob=Knob("alpha", "trainer.method_args.alpha", (0.5, 1.0, 2.0))),
+    "NPO": Method("NPO", in_fast_demo=True, knob=Knob("beta", "trainer.method_args.beta", (0.05, 0.1, 0.5))),
+    "SimNPO": Method("SimNPO", knob=Knob("beta", "trainer.method_args.beta", (2.5, 4.5, 6.5))),
     "PALU": Method(
         "PALU",
         tofu_experiment="unlearn/tofu/palu",
@@ -42,6 +57,8 @@ METHODS: dict[str, Method] = {
             "reference cache": {"reference_cache": True},
         },
         in_fast_demo=True,
+        # the paper's lambda grid is {1, 2, 5, 10}; three values keep the budget equal to the others'
+        knob=Knob("lambda", "trainer.method_args.kl_weight", (1.0, 2.0, 5.0)),
     ),
 }
 

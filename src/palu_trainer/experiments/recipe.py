@@ -1,7 +1,8 @@
 """The paper's TOFU recipe through the framework: unlearn, then the stock TOFU evaluation.
 
 `make tofu FORGET=05` runs PALU; `make compare FORGET=05` runs every method of the side-by-side table
-(palu_trainer.experiments.methods) and renders one table.
+(palu_trainer.experiments.methods) and renders one table; `make tofu-ablation AXIS=k|n|c|strategy` runs PALU
+at every point of one of the paper's ablation axes (palu_trainer.experiments.ablation.AXES).
 Hyperparameters follow the paper's appendix: 10 epochs, global batch 32, paged AdamW, one warm-up epoch,
 lr 1e-5 (grid 1e-5, 2e-5, 5e-5), PALU K=5000, N=3, c=global mean, λ=1 (grid 1, 2, 5, 10); NPO and
 SimNPO keep the framework's stock method arguments.
@@ -14,11 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments import report
+from palu_trainer.experiments.ablation import AXES, METHOD, slug
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tofu_overrides
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.plugin import write_accelerate_config
@@ -40,6 +42,8 @@ class RecipeSettings:
     kl_weight: str = "1.0"
     model_dir: str | None = None
     retain_logs: str | None = None
+    variant: str = ""  # an ablation point: appended to the task name
+    extra: tuple[str, ...] = ()  # its overrides, last on the unlearning command line
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -49,7 +53,8 @@ class RecipeSettings:
         suffix = f"_lr{self.learning_rate}" + (
             f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         )
-        return f"tofu_{self.model}_{self.splits[0]}_{method}{suffix}"
+        variant = f"_{self.variant}" if self.variant else ""
+        return f"tofu_{self.model}_{self.splits[0]}_{method}{suffix}{variant}"
 
     @property
     def model_path(self) -> str:
@@ -99,7 +104,7 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
         command.append(f"model.tokenizer_args.pretrained_model_name_or_path={run.model_dir}")
     if METHODS[method].kl_weight_key:
         command.append(f"{METHODS[method].kl_weight_key}={run.kl_weight}")
-    return command
+    return [*command, *run.extra]
 
 
 def eval_command(run: RecipeSettings, method: str) -> list[str]:
@@ -175,8 +180,18 @@ def plan(run: RecipeSettings, methods: list[str], accelerate_config: Path) -> li
     port = _free_port()
     steps = []
     for method in methods:
-        steps.append((f"{method}: unlearn", unlearn_command(run, method, accelerate_config, port)))
-        steps.append((f"{method}: TOFU evaluation", eval_command(run, method)))
+        title = method + (f" {run.variant}" if run.variant else "")
+        steps.append((f"{title}: unlearn", unlearn_command(run, method, accelerate_config, port)))
+        steps.append((f"{title}: TOFU evaluation", eval_command(run, method)))
+    return steps
+
+
+def ablation_plan(run: RecipeSettings, axis: str, accelerate_config: Path) -> list[tuple[str, list[str]]]:
+    """PALU at every point of one of the paper's ablation axes (experiments.ablation.AXES)."""
+    steps = []
+    for label, overrides in AXES[axis].points:
+        variant = f"{axis}-{slug(label)}"
+        steps += plan(replace(run, variant=variant, extra=overrides), [METHOD], accelerate_config)
     return steps
 
 
@@ -235,8 +250,13 @@ def main(argv=None) -> None:
     parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
     parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
     parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
+    parser.add_argument(
+        "--ablation", choices=list(AXES), help="PALU at every point of one of the paper's ablation axes"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
+    if args.ablation and args.report:
+        parser.error("--ablation writes one TOFU evaluation per point; --report compares methods")
     if "side-by-side" in args.methods:
         args.methods = list(side_by_side_methods())
     import torch
@@ -247,8 +267,13 @@ def main(argv=None) -> None:
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
-    steps = plan(run, args.methods, accelerate_config)
-    print(f"plan: TOFU forget{args.forget}, {args.model}, {gpus} GPU(s), {', '.join(args.methods)}")
+    if args.ablation:
+        steps = ablation_plan(run, args.ablation, accelerate_config)
+        what = f"PALU ablation of {AXES[args.ablation].title}"
+    else:
+        steps = plan(run, args.methods, accelerate_config)
+        what = ", ".join(args.methods)
+    print(f"plan: TOFU forget{args.forget}, {args.model}, {gpus} GPU(s), {what}")
     for title, command in steps:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:

@@ -25,6 +25,23 @@ COLUMNS = (
     ("retain_prob", "retain prob", "{:.3f}"),
     ("retain_truth_ratio", "retain TR", "{:.3f}"),
 )
+# The paper's Table 1 (utility and memorization) and Table 2 (MIA AUCs, forget vs holdout: 0.5 = cannot tell).
+PAPER_TABLE_1 = (
+    ("forget_quality", "FQ ↑", "{:.3g}"),
+    ("model_utility", "MU ↑", "{:.3f}"),
+    ("exact_memorization", "EM ↓", "{:.3f}"),
+    ("forget_truth_ratio", "TR forget", "{:.3f}"),
+    ("retain_truth_ratio", "TR retain", "{:.3f}"),
+    ("ra_truth_ratio", "TR real authors", "{:.3f}"),
+    ("wf_truth_ratio", "TR world facts", "{:.3f}"),
+    ("fluency", "fluency ↑", "{:.3f}"),
+)
+PAPER_TABLE_2 = (
+    ("mia_loss", "LOSS", "{:.3f}"),
+    ("mia_zlib", "ZLib", "{:.3f}"),
+    ("mia_min_k", "Min-K", "{:.3f}"),
+    ("mia_min_k_plus_plus", "Min-K++", "{:.3f}"),
+)
 # TOFU_EVAL.json keys for each reported metric (all are `agg_value`s).
 EVAL_KEYS = {
     "forget_quality": "forget_quality",
@@ -35,7 +52,19 @@ EVAL_KEYS = {
     "retain_rouge": "retain_Q_A_ROUGE",
     "retain_prob": "retain_Q_A_Prob",
     "retain_truth_ratio": "retain_Truth_Ratio",
+    "exact_memorization": "exact_memorization",
+    "forget_truth_ratio": "forget_truth_ratio",
+    "ra_truth_ratio": "ra_Truth_Ratio",
+    "wf_truth_ratio": "wf_Truth_Ratio",
+    "fluency": "forget_Q_A_gibberish",
+    "mia_loss": "mia_loss",
+    "mia_zlib": "mia_zlib",
+    "mia_min_k": "mia_min_k",
+    "mia_min_k_plus_plus": "mia_min_k_plus_plus",
 }
+# Shown instead of a dash where the evaluation has no fluency: its classifier comes from the hub.
+FLUENCY_CLASSIFIER = "madhurjindal/autonlp-Gibberish-Detector-492513457"
+NOT_OFFLINE = {"fluency": "needs hub"}
 UTILITY_FLOOR = 0.8
 FQ_FLOOR = 1e-30
 SELECTION_RULE = (
@@ -90,9 +119,9 @@ def select_run(runs: Sequence[EvaluatedModel], original_utility: float) -> Evalu
     return max(runs, key=lambda run: run.metrics["retain_utility"] or 0.0)
 
 
-def format_value(value, pattern: str) -> str:
+def format_value(value, pattern: str, missing: str = "—") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
+        return missing
     return pattern.format(value)
 
 
@@ -100,13 +129,24 @@ def format_params(params: Mapping) -> str:
     return ", ".join(f"{key}={value}" for key, value in params.items())
 
 
-def table(rows: Mapping[str, EvaluatedModel]) -> str:
-    headers = ["model", *(header for _, header, _ in COLUMNS), "wall time", "hyperparameters"]
+def table(rows: Mapping[str, EvaluatedModel], columns=COLUMNS, first_header: str = "model") -> str:
+    """A Markdown table of `rows` (label -> run); COLUMNS add wall time and hyperparameters."""
+    headers = [first_header, *(header for _, header, _ in columns)]
+    details = columns is COLUMNS
+    if details:
+        headers += ["wall time", "hyperparameters"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for name, run in rows.items():
-        cells = [format_value(run.metrics.get(key), pattern) for key, _, pattern in COLUMNS]
-        wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
-        lines.append("| " + " | ".join([name, *cells, wall, format_params(run.params)]) + " |")
+        cells = [
+            format_value(run.metrics.get(key), pattern, NOT_OFFLINE.get(key, "—"))
+            for key, _, pattern in columns
+        ]
+        if details:
+            cells += [
+                "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s",
+                format_params(run.params),
+            ]
+        lines.append("| " + " | ".join([name, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -181,6 +221,23 @@ def write_report(
         "",
         "Wall time: the run that made the model (finetuning or unlearning), without its evaluation.",
         *[f"\n{note}" for note in notes],
+        "",
+        "## The paper's Table 1: utility, memorization, truth ratios",
+        "",
+        table({**references, **ranked}, PAPER_TABLE_1),
+        "",
+        "MU: the stock model utility (see above). EM: exact memorization of the forget answers. TR: the "
+        "stock truth ratio (TOFU's aggregation: forget closer to 1 is better, the others higher is better). "
+        f"Fluency: the stock `forget_Q_A_gibberish` metric; its classifier ({FLUENCY_CLASSIFIER}) comes "
+        "from the hub, so offline it reads 'needs hub'; add the metric to the evaluation where the model "
+        "is available and the column fills in.",
+        "",
+        "## The paper's Table 2: membership inference AUCs, forget vs holdout",
+        "",
+        table({**references, **ranked}, PAPER_TABLE_2),
+        "",
+        "Each attack scores the forget and holdout rows; the AUC of telling them apart. 0.5: the model "
+        "treats forgotten rows as never seen (Retain's level); near 1 (or 0): it still remembers them.",
         "",
         "## Every run",
         "",
