@@ -116,33 +116,38 @@ def plot_axis(path: Path, axis: Axis, points: dict[str, report.EvaluatedModel], 
 
     labels = list(points)
     xs = range(len(labels))
-    quality = [max(run.metrics.get("forget_quality") or 0.0, report.FQ_FLOOR) for run in points.values()]
-    utility = [run.metrics.get("retain_utility") or 0.0 for run in points.values()]
-    figure, fq_axes = plt.subplots(figsize=(max(6, 1.3 * len(labels) + 2), 4.5))
+    ran = [x for x, run in zip(xs, points.values(), strict=True) if "error" not in run.params]
+    runs = [run for run in points.values() if "error" not in run.params]
+    quality = [max(run.metrics["forget_quality"] or 0.0, report.FQ_FLOOR) for run in runs]
+    utility = [run.metrics["retain_utility"] or 0.0 for run in runs]
+    figure, fq_axes = plt.subplots(figsize=(max(6, 1.3 * len(labels) + 2), 5))
     utility_axes = fq_axes.twinx()
     width = 0.38
-    fq_axes.bar([x - width / 2 for x in xs], quality, width, color="tab:blue", label="forget quality")
-    utility_axes.bar([x + width / 2 for x in xs], utility, width, color="tab:orange", label="retain utility")
+    fq_axes.bar([x - width / 2 for x in ran], quality, width, color="tab:blue", label="forget quality (left)")
+    utility_axes.bar(
+        [x + width / 2 for x in ran], utility, width, color="tab:orange", label="retain utility (right)"
+    )
     for name, style in (("Original", ":"), ("Retain", "--")):
         metrics = references[name].metrics
-        fq_axes.axhline(max(metrics["forget_quality"], report.FQ_FLOOR), color="tab:blue", ls=style, lw=1)
-        utility_axes.axhline(metrics["retain_utility"], color="tab:orange", ls=style, lw=1)
+        fq_axes.axhline(max(metrics["forget_quality"], report.FQ_FLOOR), color="tab:blue", ls=style, lw=1.2)
+        utility_axes.axhline(metrics["retain_utility"], color="tab:orange", ls=style, lw=1.2)
         fq_axes.plot([], [], color="gray", ls=style, label=f"{name} (blue: FQ, orange: utility)")
+    bottom = min([*quality, references["Original"].metrics["forget_quality"]]) / 10
+    fq_axes.set_yscale("log")
+    fq_axes.set_ylim(bottom=bottom, top=3)
     for x, run in zip(xs, points.values(), strict=True):
         if "error" in run.params:
-            fq_axes.text(x, report.FQ_FLOOR * 10, "failed:\nsee table", ha="center", fontsize=8, color="red")
-    fq_axes.set_yscale("log")
-    fq_axes.set_ylim(bottom=min([*quality, references["Original"].metrics["forget_quality"]]) / 10, top=3)
+            fq_axes.text(x, bottom * 3, "failed:\nsee table", ha="center", fontsize=8, color="red")
     utility_axes.set_ylim(0, 1.05)
     fq_axes.set_xticks(
         list(xs), [f"{label}\n(default)" if label == axis.default else label for label in labels]
     )
-    fq_axes.set_ylabel("forget quality (log)")
+    fq_axes.set_ylabel("forget quality (KS p-value vs Retain, log)")
     utility_axes.set_ylabel("retain utility")
     fq_axes.set_title(f"PALU ablation — {axis.title}", fontsize=10)
     handles = [*fq_axes.get_legend_handles_labels()[0], *utility_axes.get_legend_handles_labels()[0]]
-    fq_axes.legend(handles=handles, fontsize=7, loc="lower left")
-    figure.tight_layout()
+    figure.legend(handles=handles, fontsize=8, loc="lower center", ncol=2)
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
 

@@ -56,6 +56,7 @@ def plot(path: Path, curves: dict[str, list[report.EvaluatedModel]], references)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, (fq_axes, utility_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method, runs in curves.items():
@@ -73,6 +74,7 @@ def plot(path: Path, curves: dict[str, list[report.EvaluatedModel]], references)
     utility_axes.set_ylabel("retain utility")
     utility_axes.set_ylim(0, 1.05)
     for axes in (fq_axes, utility_axes):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("unlearning epoch (0 = Original)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=8)
