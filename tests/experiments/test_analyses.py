@@ -41,9 +41,10 @@ def test_two_epoch_convergence_evaluates_every_checkpoint_then_removes_it(fast_r
     for method, curve in summary["curves"].items():
         assert [run["params"]["epoch"] for run in curve] == [0, 1, 2]
         assert curve[0]["metrics"] == original
-        qualities = [run["metrics"]["forget_quality"] for run in curve]
-        assert all(0 < quality <= 1 for quality in qualities) and qualities[2] > qualities[0], method
-        assert curve[1]["metrics"] != curve[2]["metrics"]  # each epoch's own checkpoint was evaluated
+        assert all(0 < run["metrics"]["forget_quality"] <= 1 for run in curve)
+        # each epoch's own checkpoint was evaluated: the forget answers fade epoch by epoch
+        rouge = [run["metrics"]["forget_rouge"] for run in curve]
+        assert rouge[0] > rouge[1] > rouge[2], (method, rouge)
         assert not list((run_dir / "unlearn" / f"{method}_convergence").glob("checkpoint-*"))
     assert (run_dir / "convergence.png").read_bytes().startswith(b"\x89PNG")
     assert "| PALU, epoch 2 |" in (run_dir / "convergence.md").read_text()

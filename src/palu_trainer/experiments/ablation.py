@@ -238,7 +238,7 @@ def main(argv=None) -> None:
         if len(axes) != 1:
             parser.error("--point replaces the points of one axis: give exactly one with --axes")
         ((name, axis),) = axes.items()
-        axes = {name: Axis(axis.title, tuple(args.point), args.point[0][0])}
+        axes = {name: Axis(f"{axis.title.split(':')[0]}: custom points", tuple(args.point), args.point[0][0])}
     run(args, axes)
 
 

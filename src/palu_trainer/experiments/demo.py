@@ -154,9 +154,18 @@ class Demo:
             seconds = json.loads(done.read_text())["wall_time_s"]
             self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)")
             return out_dir, seconds
-        shutil.rmtree(out_dir, ignore_errors=True)
-        seconds = produce(out_dir)
-        done.write_text(json.dumps({"wall_time_s": seconds, "key": key_parts}))
+        # Made under a private name and renamed when complete: `make ablation` and `make convergence` may
+        # run at once on one cache, and neither may see (or delete) the other's half-made output.
+        partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}-{threading.get_ident()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        seconds = produce(partial)
+        (partial / "demo_stage.json").write_text(json.dumps({"wall_time_s": seconds, "key": key_parts}))
+        if out_dir.exists() and not done.is_file():  # left by an interrupted run
+            shutil.rmtree(out_dir)
+        try:
+            partial.rename(out_dir)
+        except OSError:  # another run finished the same stage first: use its output
+            shutil.rmtree(partial)
         self.progress.stage(stage, seconds)
         return out_dir, seconds
 
