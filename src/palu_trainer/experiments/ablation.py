@@ -93,9 +93,13 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", label.replace("%", "pct")).strip("-")
 
 
+def point_name(axis_name: str, label: str) -> str:
+    return f"{METHOD}_{axis_name}_{slug(label)}"
+
+
 def run_point(mini, axis_name: str, label: str, overrides, learning_rate: float) -> report.EvaluatedModel:
     """Unlearn and evaluate one point; a failed run becomes a row that names its log instead of numbers."""
-    name = f"{METHOD}_{axis_name}_{slug(label)}"
+    name = point_name(axis_name, label)
     params = {"lr": learning_rate, "overrides": " ".join(overrides)}
     try:
         eval_json, seconds = mini.demo.unlearn_and_evaluate(
@@ -105,6 +109,18 @@ def run_point(mini, axis_name: str, label: str, overrides, learning_rate: float)
         mini.progress.say(f"{name} failed: {str(error).splitlines()[0]}")
         return report.EvaluatedModel({}, None, {**params, "error": f"logs/unlearn_{name}.log"})
     return report.run_from_eval(eval_json, seconds, params)
+
+
+def rendered_point(
+    mini, axis_name: str, label: str, overrides, learning_rate: float
+) -> report.EvaluatedModel:
+    """`--render`: the point's evaluation from an earlier run, or a row saying it has none."""
+    name = point_name(axis_name, label)
+    params = {"lr": learning_rate, "overrides": " ".join(overrides)}
+    eval_json = mini.demo.finished_evaluation(name, mini.original_eval.result())
+    if eval_json is None:
+        return report.EvaluatedModel({}, None, {**params, "error": f"not evaluated, logs/unlearn_{name}.log"})
+    return report.run_from_eval(eval_json, None, params)
 
 
 def plot_axis(path: Path, axis: Axis, points: dict[str, report.EvaluatedModel], references) -> None:
@@ -132,17 +148,18 @@ def plot_axis(path: Path, axis: Axis, points: dict[str, report.EvaluatedModel], 
         fq_axes.axhline(max(metrics["forget_quality"], report.FQ_FLOOR), color="tab:blue", ls=style, lw=1.2)
         utility_axes.axhline(metrics["retain_utility"], color="tab:orange", ls=style, lw=1.2)
         fq_axes.plot([], [], color="gray", ls=style, label=f"{name} (blue: FQ, orange: utility)")
-    bottom = min([*quality, references["Original"].metrics["forget_quality"]]) / 10
+    original_quality = max(references["Original"].metrics["forget_quality"] or 0.0, report.FQ_FLOOR)
+    bottom = min([*quality, original_quality]) / 10
     fq_axes.set_yscale("log")
     fq_axes.set_ylim(bottom=bottom, top=3)
     for x, run in zip(xs, points.values(), strict=True):
         if "error" in run.params:
-            fq_axes.text(x, bottom * 3, "failed:\nsee table", ha="center", fontsize=8, color="red")
+            fq_axes.text(x, bottom * 3, "no result:\nsee table", ha="center", fontsize=8, color="red")
     utility_axes.set_ylim(0, 1.05)
     fq_axes.set_xticks(
         list(xs), [f"{label}\n(default)" if label == axis.default else label for label in labels]
     )
-    fq_axes.set_ylabel("forget quality (KS p-value vs Retain, log)")
+    fq_axes.set_ylabel(f"forget quality (KS p-value vs Retain, log; < {report.FQ_FLOOR:g} drawn at it)")
     utility_axes.set_ylabel("retain utility")
     fq_axes.set_title(f"PALU ablation — {axis.title}", fontsize=10)
     handles = [*fq_axes.get_legend_handles_labels()[0], *utility_axes.get_legend_handles_labels()[0]]
@@ -164,7 +181,7 @@ def write_axis(out_dir: Path, axis_name: str, axis: Axis, points, references, no
         "",
         report.table(rows, report.PAPER_TABLE_1[1:], "point"),
         "",
-        *(f"- {label} failed, log: {log}" for label, log in failed.items()),
+        *(f"- {label}: no result ({log})" for label, log in failed.items()),
         *notes,
         "",
         f"![{axis.title}]({axis_name}.png)",
@@ -185,7 +202,9 @@ def run(args, axes: dict[str, Axis]) -> dict[str, dict[str, Path]]:
             args.tofu_dir, args.spans,
         )  # fmt: skip
         jobs = {
-            (name, label): pool.submit(run_point, mini, name, label, overrides, args.lr)
+            (name, label): pool.submit(
+                rendered_point if args.render else run_point, mini, name, label, overrides, args.lr
+            )
             for name, label, overrides in points
         }
         results = {(name, label): job.result() for (name, label), job in jobs.items()}
@@ -222,7 +241,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.ablation", description=__doc__.splitlines()[0]
     )
-    add_miniature_arguments(parser)
+    add_miniature_arguments(parser, render=True)
     parser.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
     parser.add_argument("--lr", type=float, default=1e-3, help="PALU's learning rate at every point")
     parser.add_argument(

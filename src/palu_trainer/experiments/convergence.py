@@ -15,6 +15,7 @@ from pathlib import Path
 from palu_trainer.experiments import report
 from palu_trainer.experiments.demo import (
     MINIATURE_STAGES,
+    SIZES,
     Progress,
     add_miniature_arguments,
     build_miniature,
@@ -47,6 +48,18 @@ def unlearn_per_epoch(mini, method: str, learning_rate: float, epochs: int) -> l
             report.run_from_eval(eval_json, seconds * epoch / epochs, {"lr": learning_rate, "epoch": epoch})
         )
         shutil.rmtree(checkpoint)
+    return runs
+
+
+def rendered_epochs(mini, method: str, learning_rate: float, epochs: int) -> list[report.EvaluatedModel]:
+    """`--render`: the epochs an earlier run evaluated completely, in order."""
+    runs = []
+    for epoch in range(1, epochs + 1):
+        eval_json = mini.demo.finished_evaluation(
+            f"{method}_convergence_epoch{epoch}", mini.original_eval.result()
+        )
+        if eval_json:
+            runs.append(report.run_from_eval(eval_json, None, {"lr": learning_rate, "epoch": epoch}))
     return runs
 
 
@@ -85,15 +98,15 @@ def plot(path: Path, curves: dict[str, list[report.EvaluatedModel]], references)
 
 
 def run(args, methods: list[str]) -> dict[str, Path]:
-    epochs = args.epochs
+    epochs = args.epochs or SIZES[args.size].unlearn_epochs
     progress = Progress(total_stages=MINIATURE_STAGES + len(methods) * (1 + epochs))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = build_miniature(
             args.data, args.size, args.run_dir, args.results / ".cache", args.seed, pool, progress,
             args.tofu_dir, args.spans,
         )  # fmt: skip
-        epochs = epochs or mini.size.unlearn_epochs
-        jobs = {method: pool.submit(unlearn_per_epoch, mini, method, args.lr, epochs) for method in methods}
+        step = rendered_epochs if args.render else unlearn_per_epoch
+        jobs = {method: pool.submit(step, mini, method, args.lr, epochs) for method in methods}
         references = mini.references()
         start = report.EvaluatedModel(references["Original"].metrics, 0.0, {"lr": args.lr, "epoch": 0})
         curves = {method: [start, *job.result()] for method, job in jobs.items()}
@@ -109,7 +122,8 @@ def run(args, methods: list[str]) -> dict[str, Path]:
             report.table({**references, **rows}),
             "",
             f"Every method at lr {args.lr:g} with its stock config, {epochs} epochs; wall time: share of the "
-            "unlearning run up to that epoch. Epoch 0 is Original.",
+            "unlearning run up to that epoch. Epoch 0 is Original."
+            + (" Rendered from a stopped run's evaluations: epochs without one are absent." if args.render else ""),
             *mini.notes(),
             "",
             "![convergence](convergence.png)",
@@ -134,7 +148,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.convergence", description=__doc__.splitlines()[0]
     )
-    add_miniature_arguments(parser)
+    add_miniature_arguments(parser, render=True)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["PALU", "NPO"])
     parser.add_argument("--lr", type=float, default=1e-3, help="every method's learning rate")
     parser.add_argument("--epochs", type=int, help="default: the size's unlearning epochs (10; FAST 5)")

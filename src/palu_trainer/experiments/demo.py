@@ -224,6 +224,14 @@ class Demo:
             self.progress.stage(stage, produce(out_dir))
         return out_dir / "TOFU_EVAL.json"
 
+    def finished_evaluation(self, name: str, like: Path) -> Path | None:
+        """The TOFU_EVAL.json of an earlier `evaluate(name, ..., cache=False)` in this run folder, if it has
+        every metric of `like` (a stopped run can leave a partial one); else None."""
+        path = self.run_dir / "evals" / name / "TOFU_EVAL.json"
+        if path.is_file() and set(json.loads(like.read_text())) <= set(json.loads(path.read_text())):
+            return path
+        return None
+
     def benchmark_digest(self) -> list[str]:
         return [file_digest(*self.benchmark.tofu_dir.glob("*.json"))]
 
@@ -455,8 +463,9 @@ def run(
     return paths
 
 
-def add_miniature_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every experiment on the miniature shares (data, size, output, parallelism)."""
+def add_miniature_arguments(parser: argparse.ArgumentParser, render: bool = False) -> None:
+    """The options every experiment on the miniature shares (data, size, output, parallelism); `render`:
+    also --render (the analyses, whose runs are saved one evaluation at a time)."""
     parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic")
     parser.add_argument("--fast", action="store_true", help="the small variant (tests)")
     parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
@@ -467,6 +476,13 @@ def add_miniature_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
+    if render:
+        parser.add_argument(
+            "--render",
+            action="store_true",
+            help="no unlearning: write the charts and tables from the evaluations already in the run folder "
+            "(of a run that was stopped); points without a complete evaluation are marked as not run",
+        )
 
 
 def parse_miniature_arguments(parser: argparse.ArgumentParser, argv, experiment: str = ""):
