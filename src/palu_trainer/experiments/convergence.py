@@ -123,7 +123,7 @@ def run(args, methods: list[str]) -> dict[str, Path]:
             "",
             f"Every method at lr {args.lr:g} with its stock config, {epochs} epochs; wall time: share of the "
             "unlearning run up to that epoch. Epoch 0 is Original."
-            + (" Rendered from a stopped run's evaluations: epochs without one are absent." if args.render else ""),
+            + (" Rendered from a stopped run: epochs it did not evaluate are absent." if args.render else ""),
             *mini.notes(),
             "",
             "![convergence](convergence.png)",
