@@ -28,8 +28,24 @@ def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
     original = summary["references"]["Original"]["metrics"]
     assert original["forget_quality"] < points["64"]["metrics"]["forget_quality"]
     table = (run_dir / "k.md").read_text()
-    assert "| k=1 | " in table and "| k=64 | " in table and "- broken: no result (logs/unlearn_PALU_k_broken.log)" in table
+    assert (
+        "| k=1 | " in table
+        and "| k=64 | " in table
+        and "- broken: no result (logs/unlearn_PALU_k_broken.log)" in table
+    )
     assert (run_dir / "k.png").read_bytes().startswith(b"\x89PNG")
+
+    # --render rebuilds the outputs from the evaluations on disk, without training
+    points_again = [
+        "--point",
+        "64=trainer.method_args.top_k=64",
+        "--point",
+        "128=trainer.method_args.top_k=128",
+    ]
+    ablation.main(["--fast", "--results", str(fast_results), "--render", "--axes", "k", *points_again])
+    rendered = json.loads((run_dir / "ablation.json").read_text())["axes"]["k"]["points"]
+    assert rendered["64"]["metrics"] == points["64"]["metrics"] and rendered["64"]["wall_time_s"] is None
+    assert rendered["128"]["metrics"] == {} and "not evaluated" in rendered["128"]["params"]["error"]
 
 
 def test_two_epoch_convergence_evaluates_every_checkpoint_then_removes_it(fast_results):
