@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.method.reference_cache import count_positions, estimated_cache_bytes
 from palu_trainer.method.roles import count_roles
 
 from ..conftest import TAG_TEMPLATE
@@ -82,16 +83,37 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     cache = trainer.reference_cache
     assert sorted(cache.topk_indices) == [0, 1, 2]
     assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
-    assert cache.common_probs[0].shape[1] == trainer.model.config.vocab_size
+    assert (
+        cache.common_probs[0].shape[1]
+        == trainer.reference_cache_top_m
+        == 512
+        < trainer.model.config.vocab_size
+    )
+    forget = trainer.train_dataset.forget
+    estimate = estimated_cache_bytes(
+        *count_positions(item["token_roles"] for item in forget.items), 64, 512, torch.float32
+    )
+    assert estimate == cache.nbytes
+
+
+def loss_and_gradients(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+def drift(*models, seed=0):
+    """The same parameter change on each model: the policy away from the reference, as after training."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameters in zip(*(model.parameters() for model in models)):
+            change = 0.05 * torch.randn(parameters[0].shape, generator=generator)
+            for parameter in parameters:
+                parameter.add_(change)
 
 
 def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
-    def loss_and_gradients(trainer, batch):
-        trainer.model.zero_grad()
-        loss = trainer.compute_loss(trainer.model, batch)
-        loss.backward()
-        return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
-
     cached, uncached = make_trainer(top_k=64), make_trainer(top_k=64, reference_cache=False)
     dataset = cached.train_dataset
     torch.manual_seed(0)
@@ -102,6 +124,59 @@ def test_cache_gives_the_uncached_loss_and_gradients(make_trainer):
         torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-5, atol=0)
         for name, gradient in uncached_grads.items():
             torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_cache_with_all_entries_stays_exact_after_the_policy_moves(make_trainer):
+    """Past step 0 the top-m form is exact when m = |V| (no tail); KL and gradients within 1e-4."""
+    cached = make_trainer(top_k=64, reference_cache_top_m=10**6)
+    uncached = make_trainer(top_k=64, reference_cache=False)
+    assert cached.reference_cache_top_m == cached.model.config.vocab_size
+    batch = cached.data_collator([cached.train_dataset[i] for i in (0, 1, 2)])
+    cached.compute_loss(cached.model, batch)  # builds the cache from the step-0 weights
+    drift(cached.model, uncached.model)
+    cached_loss, cached_grads = loss_and_gradients(cached, batch)
+    uncached_loss, uncached_grads = loss_and_gradients(uncached, batch)
+    assert float(uncached._term_sums[1]) > 1e-3  # the KL term is not zero once the policy moved
+    torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-4, atol=0)
+    for name, gradient in uncached_grads.items():
+        torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("reference_cache", [True, False])
+def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(make_trainer, reference_cache):
+    fast = make_trainer(top_k=64, reference_cache=reference_cache)
+    full = make_trainer(top_k=64, reference_cache=reference_cache)
+    full.projects_at_positions = False
+    assert fast.projects_at_positions
+    batch = fast.data_collator([fast.train_dataset[i] for i in (0, 1, 2)])
+    for trainer in (fast, full):
+        trainer.compute_loss(trainer.model, batch)
+    drift(fast.model, full.model, *(t.ref_model for t in (fast, full) if t.ref_model is not None))
+    drift(fast.model, full.model, seed=1)
+    fast_loss, fast_grads = loss_and_gradients(fast, batch)
+    full_loss, full_grads = loss_and_gradients(full, batch)
+    terms = [t._term_sums[:3] / t._term_batches for t in (fast, full)]
+    torch.testing.assert_close(*terms, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fast_loss, full_loss, rtol=1e-5, atol=0)
+    for name, gradient in full_grads.items():
+        torch.testing.assert_close(fast_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_auto_falls_back_to_the_reference_model_above_the_budget(make_trainer, caplog):
+    with caplog.at_level(logging.INFO, logger="palu_trainer.framework.trainers.palu"):
+        within = make_trainer(top_k=64, reference_cache_budget_gb=1.0)
+        above = make_trainer(top_k=64, reference_cache_budget_gb=1e-6)
+        forced = make_trainer(top_k=64, reference_cache=True, reference_cache_budget_gb=1e-6)
+    assert within.uses_reference_cache and within.ref_model is None
+    assert not above.uses_reference_cache and above.ref_model is not None
+    assert forced.uses_reference_cache and forced.ref_model is None
+    decisions = [r.getMessage() for r in caplog.records if "reference cache estimate" in r.getMessage()]
+    assert len(decisions) == 3
+    assert "using the reference cache" in decisions[0] and "using the reference model" in decisions[1]
+    assert (
+        "budget reference_cache_budget_gb=1e-06; reference_cache=True: using the reference cache"
+        in (decisions[2])
+    )
 
 
 def test_cache_refuses_weights_past_the_first_step(make_trainer):

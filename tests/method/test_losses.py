@@ -5,11 +5,15 @@ import torch.nn.functional as F
 from palu_trainer.method.losses import (
     TARGETS,
     common_kl_loss,
+    common_kl_loss_top_m,
+    label_nll_at_positions,
     local_entropy_loss,
     palu_forget_loss,
+    palu_forget_loss_at_positions,
     predicting_rows,
     reference_targets,
     select_predictions,
+    targets_from_selected,
 )
 from palu_trainer.method.roles import TokenRole
 
@@ -160,3 +164,90 @@ def test_reference_targets_take_the_reference_top_k():
     probs, neg_entropy = reference_of(reference_logits[0, 1:2])
     torch.testing.assert_close(reference.common_probs, probs)
     torch.testing.assert_close(reference.common_neg_entropy, neg_entropy)
+
+
+def kl_and_gradient(loss_fn, logits):
+    logits = logits.clone().requires_grad_(True)
+    loss = loss_fn(logits)
+    loss.backward()
+    return loss.detach(), logits.grad
+
+
+def top_m_reference(reference_logits, top_m):
+    targets = targets_from_selected(reference_logits[:0], reference_logits, top_k=1, top_m=top_m)
+    return lambda logits: common_kl_loss_top_m(
+        logits,
+        targets.common_indices,
+        targets.common_probs,
+        targets.common_tail_mass,
+        targets.common_neg_entropy,
+    )
+
+
+def full_reference(reference_logits):
+    probs, neg_entropy = reference_of(reference_logits)
+    return lambda logits: common_kl_loss(logits, probs, neg_entropy)
+
+
+def test_top_m_kl_with_every_entry_is_the_full_kl():
+    torch.manual_seed(0)
+    reference_logits, logits = 3 * torch.randn(6, 50), 3 * torch.randn(6, 50)
+    exact = kl_and_gradient(full_reference(reference_logits), logits)
+    top_m = kl_and_gradient(top_m_reference(reference_logits, 50), logits)
+    torch.testing.assert_close(top_m, exact, rtol=1e-5, atol=1e-7)
+
+
+def test_top_m_kl_is_exact_at_the_reference_and_bounded_by_the_tail_after():
+    """At P_θ = P_ref: KL 0 and the exact gradient. Moved: the KL misses exactly r·KL(tail), ≥ 0, and
+    each row's gradient differs by at most 2r in L1 (the tail's mass spread like the current model's)."""
+    torch.manual_seed(0)
+    reference_logits = 4 * torch.randn(8, 1000)  # peaked like a trained LM's
+    top_m = 32
+    cached = top_m_reference(reference_logits, top_m)
+    kl, gradient = kl_and_gradient(cached, reference_logits)
+    assert abs(float(kl)) < 1e-5 and gradient.abs().max() < 1e-7  # 0 up to fp32 rounding
+    moved = reference_logits + 0.5 * torch.randn(8, 1000)
+    exact_kl, exact_gradient = kl_and_gradient(full_reference(reference_logits), moved)
+    kl, gradient = kl_and_gradient(cached, moved)
+    p, q = F.softmax(reference_logits, -1), F.softmax(moved, -1)
+    tail = torch.ones_like(p, dtype=torch.bool).scatter(-1, p.topk(top_m, -1).indices, False)
+    p_tail, q_tail = p.where(tail, 0), q.where(tail, 0)
+    r, current_tail = p_tail.sum(-1, keepdim=True), q_tail.sum(-1, keepdim=True)
+    missed = (  # r·KL(p_tail/r ‖ q_tail/Q) = Σ_tail p·log((p/r) / (q/Q))
+        torch.special.xlogy(p_tail, p_tail / r) - torch.special.xlogy(p_tail, q_tail / current_tail)
+    ).sum(-1)
+    assert 0 < float(exact_kl - kl)
+    # atol: fp32 rounding of the logsumexp-sized terms (~15 here) that cancel in each KL
+    torch.testing.assert_close(exact_kl - kl, missed.mean(), rtol=1e-3, atol=3e-5)
+    rows = len(moved)  # the loss is a mean over rows: each row's gradient carries 1/rows
+    assert ((gradient - exact_gradient).abs().sum(-1) * rows <= 2 * r.squeeze(-1) + 1e-6).all()
+    assert float(r.max()) < 0.2
+
+
+def test_projection_at_positions_gives_the_full_logits_losses_and_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16)
+    project = torch.nn.Linear(16, 40)
+    roles = torch.tensor([[IGN, IGN, COM, INI, INI, RED, COM], [IGN, INI, RED, COM, COM, IGN, IGN]])
+    labels = torch.tensor([[-100, -100, 5, 6, 7, 8, 9], [-100, 1, 2, 3, 4, -100, -100]])
+    reference = reference_targets(torch.randn(2, 7, 40), roles, top_k=5)
+
+    def losses_and_gradients(at_positions):
+        project.zero_grad()
+        leaf = hidden.clone().requires_grad_(True)
+        if at_positions:
+            terms = [*palu_forget_loss_at_positions(leaf, project, roles, reference)]
+            terms.append(label_nll_at_positions(leaf, project, labels))
+        else:
+            logits = project(leaf)
+            terms = [*palu_forget_loss(logits, roles, reference)]
+            terms.append(F.cross_entropy(logits[:, :-1].reshape(-1, 40), labels[:, 1:].reshape(-1)))
+        torch.stack(terms).sum().backward()
+        return torch.stack(terms).detach(), leaf.grad, project.weight.grad.clone(), project.bias.grad.clone()
+
+    at_positions, full = losses_and_gradients(True), losses_and_gradients(False)
+    assert (at_positions[0] > 0).all()
+    torch.testing.assert_close(at_positions, full, rtol=1e-5, atol=1e-7)
+    assert at_positions[1][0, 4].abs().sum() == 0 and at_positions[1][0, 6].abs().sum() == 0  # not read
+    no_labels = torch.full_like(labels, -100)
+    assert label_nll_at_positions(hidden, project, no_labels).item() == 0.0

@@ -5,6 +5,7 @@ K reference top-K. Every reduction runs in fp32; an empty selection gives exactl
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +24,20 @@ class ReferenceTargets:
 
     topk_indices: (M, K) int64, the reference's top-K vocabulary entries at each initiating position.
     logit_mean: (M,) fp32, the reference's mean logit there (the `ref_mean` target).
-    common_probs: (C, V) the reference's probabilities P_ref at each common position.
-    common_neg_entropy: (C,) fp32, Σ P_ref·log P_ref there: the constant part of the KL.
+    common_probs: (C, V) the reference's probabilities P_ref at each common position; with
+        `common_indices`, (C, m): P_ref of those m entries only (the reference cache's top-m form).
+    common_neg_entropy: (C,) fp32, Σ P_ref·log P_ref there: the constant part of the KL (top-m form:
+        of the m entries and the tail bucket).
+    common_indices: (C, m) int64 or None: the vocabulary entries that `common_probs` holds.
+    common_tail_mass: (C,) fp32 or None: P_ref's mass outside `common_indices` (the tail bucket).
     """
 
     topk_indices: torch.Tensor
     logit_mean: torch.Tensor
     common_probs: torch.Tensor
     common_neg_entropy: torch.Tensor
+    common_indices: torch.Tensor | None = None
+    common_tail_mass: torch.Tensor | None = None
 
 
 def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
@@ -47,6 +54,26 @@ def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
     return predicted[:, 0] * length + predicted[:, 1]
 
 
+def forget_rows(roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (B·T) positions that predict initiating (M,) and common (C,) tokens: the only rows a forget
+    loss reads; prompt, padding and redundant positions are never projected to the vocabulary."""
+    return predicting_rows(roles, TokenRole.INITIATING), predicting_rows(roles, TokenRole.COMMON)
+
+
+def project_at_positions(hidden: torch.Tensor, project: Callable, rows: torch.Tensor) -> torch.Tensor:
+    """Logits at some positions only: `project` (the model's output projection) on their hidden states.
+
+    Args:
+        hidden: (B, T, d) final hidden states (after the last norm). project: (N, d) -> (N, V).
+        rows: (N,) flat positions into `hidden.view(B * T, d)`.
+
+    Returns:
+        (N, V) logits in fp32, equal to the full (B, T, V) logits' rows `rows`: one projection of N rows
+        instead of B·T, and one (N, V) gradient in the backward pass.
+    """
+    return project(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)).float()
+
+
 def select_predictions(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits that predict initiating tokens (M, V) and common tokens (C, V).
 
@@ -56,8 +83,7 @@ def select_predictions(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch
     Args:
         logits: (B, T, V), unshifted. roles: (B, T) TokenRole of each input token.
     """
-    initiating = predicting_rows(roles, TokenRole.INITIATING)
-    common = predicting_rows(roles, TokenRole.COMMON)
+    initiating, common = forget_rows(roles)
     selected = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.cat([initiating, common]))
     return selected[: len(initiating)], selected[len(initiating) :]
 
@@ -83,15 +109,39 @@ def reference_targets(reference_logits: torch.Tensor, roles: torch.Tensor, top_k
         roles: (B, T) TokenRole of each input token.
         top_k: K, at most V (see `resolve_top_k`).
     """
+    return targets_from_selected(*select_predictions(reference_logits, roles), top_k)
+
+
+def targets_from_selected(
+    initiating: torch.Tensor, common: torch.Tensor, top_k: int, top_m: int | None = None
+) -> ReferenceTargets:
+    """The reference's targets from its logits at the initiating (M, V) and common (C, V) positions.
+
+    top_m: None keeps P_ref over all V at common positions; m keeps its m most probable entries and
+    the rest as one tail bucket (the reference cache's form, see `common_kl_loss_top_m`).
+    """
     with torch.no_grad():
-        initiating, common = (selected.float() for selected in select_predictions(reference_logits, roles))
+        initiating, common = initiating.float(), common.float()
         common_probs = F.softmax(common, dim=-1)
-        return ReferenceTargets(
+        targets = ReferenceTargets(
             topk_indices=initiating.topk(top_k, dim=-1).indices,
             logit_mean=initiating.mean(dim=-1),
             common_probs=common_probs,
             common_neg_entropy=torch.special.xlogy(common_probs, common_probs).sum(dim=-1),
         )
+        if top_m is None:
+            return targets
+        top = common_probs.topk(min(top_m, common_probs.shape[-1]), dim=-1)
+        tail_mass = common_probs.scatter(-1, top.indices, 0.0).sum(dim=-1)  # no 1 − Σ cancellation
+        targets.common_probs, targets.common_indices, targets.common_tail_mass = (
+            top.values,
+            top.indices,
+            tail_mass,
+        )
+        targets.common_neg_entropy = torch.special.xlogy(top.values, top.values).sum(dim=-1) + (
+            torch.special.xlogy(tail_mass, tail_mass)
+        )
+        return targets
 
 
 def local_entropy_loss(
@@ -176,6 +226,97 @@ def common_kl_loss(
     return per_row.mean()
 
 
+class _KLFromTopM(torch.autograd.Function):
+    """Per-row KL(P̃_ref ‖ P̃_θ) over the m cached entries plus one tail bucket (all other entries).
+
+    With p the cached top-m of P_ref, r its tail mass, q = softmax(z) and Q the current tail mass:
+    KL = Σ_top p·log p + r·log r − Σ_top p·z_i + logsumexp(z) − r·log(Σ_tail e^z).
+    Gradient: q_i − p_i on the m entries (exact), q_j·(1 − r/Q) on the tail, where the exact one is
+    q_j − p_j: the tail's reference mass is spread like the current model's. At the first step
+    (P_θ = P_ref) both are exact; later the error is bounded by the tail: |ΔKL| = r·KL(tail) and
+    ‖Δgrad‖₁ ≤ 2r per position.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, indices, probs, tail_mass, neg_entropy):
+        row_max = logits.amax(dim=-1, keepdim=True)
+        softmax = (logits - row_max).exp_()
+        normalizer = softmax.sum(dim=-1, keepdim=True)
+        softmax.div_(normalizer)
+        log_normalizer = (row_max + normalizer.log()).squeeze(-1)
+        top_softmax = softmax.gather(-1, indices)
+        current_tail = (1 - top_softmax.sum(dim=-1)).clamp_min(torch.finfo(torch.float32).tiny)
+        cross = (probs * logits.gather(-1, indices)).sum(dim=-1)
+        tail_cross = torch.special.xlogy(tail_mass, current_tail) + tail_mass * log_normalizer
+        ctx.save_for_backward(softmax, indices, probs, top_softmax, tail_mass / current_tail)
+        return neg_entropy - cross + log_normalizer - tail_cross
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        softmax, indices, probs, top_softmax, tail_ratio = ctx.saved_tensors
+        gradient = softmax.mul_((1 - tail_ratio).unsqueeze(-1)).scatter_(-1, indices, top_softmax - probs)
+        return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None, None
+
+
+def common_kl_loss_top_m(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    probs: torch.Tensor,
+    tail_mass: torch.Tensor,
+    neg_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """Mean over common positions of the KL with P_ref kept as its top-m entries and a tail bucket.
+
+    Args:
+        logits: (C, V) current-model logits at the common positions.
+        indices: (C, m) int64 the reference's m most probable entries; probs: (C, m) their P_ref.
+        tail_mass: (C,) P_ref's mass outside them. neg_entropy: (C,) Σ_top p·log p + r·log r.
+
+    Returns:
+        Scalar fp32; exactly 0 when C == 0. Equals `common_kl_loss` when m = V (see `_KLFromTopM`).
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    per_row = _KLFromTopM.apply(
+        logits.float(), indices.long(), probs.float(), tail_mass.float(), neg_entropy.float()
+    )
+    return per_row.mean()
+
+
+def reference_kl_loss(logits: torch.Tensor, reference: ReferenceTargets) -> torch.Tensor:
+    """The KL term on the common positions' logits (C, V), for either form of `reference`."""
+    if reference.common_indices is None:
+        return common_kl_loss(logits, reference.common_probs, reference.common_neg_entropy)
+    return common_kl_loss_top_m(
+        logits,
+        reference.common_indices,
+        reference.common_probs,
+        reference.common_tail_mass,
+        reference.common_neg_entropy,
+    )
+
+
+def palu_forget_loss_at_positions(
+    hidden: torch.Tensor,
+    project: Callable,
+    roles: torch.Tensor,
+    reference: ReferenceTargets,
+    target: str = "global_mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`palu_forget_loss` from final hidden states (B, T, d): the output projection `project` runs
+    only at the initiating and common positions (see `project_at_positions`). Same values and
+    gradients as projecting every position."""
+    initiating, common = forget_rows(roles)
+    selected = project_at_positions(hidden, project, torch.cat([initiating, common]))
+    local = local_entropy_loss(
+        selected[: len(initiating)],
+        reference.topk_indices,
+        target=target,
+        reference_logit_mean=reference.logit_mean,
+    )
+    return local, reference_kl_loss(selected[len(initiating) :], reference)
+
+
 def palu_forget_loss(
     logits: torch.Tensor,
     roles: torch.Tensor,
@@ -197,4 +338,22 @@ def palu_forget_loss(
     local = local_entropy_loss(
         initiating, reference.topk_indices, target=target, reference_logit_mean=reference.logit_mean
     )
-    return local, common_kl_loss(common, reference.common_probs, reference.common_neg_entropy)
+    return local, reference_kl_loss(common, reference)
+
+
+def label_nll_at_positions(hidden: torch.Tensor, project: Callable, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL over label positions, projecting only the positions that predict a label.
+
+    Args:
+        hidden: (B, T, d) final hidden states. project: (N, d) -> (N, V). labels: (B, T), -100 where
+            not a label (prompt, padding), unshifted.
+
+    Returns:
+        Scalar fp32, the causal-LM loss of `model(labels=...)`; exactly 0 when no label.
+    """
+    predicted = labels[:, 1:]
+    rows = torch.nonzero(predicted != -100)
+    if rows.shape[0] == 0:
+        return hidden.new_zeros((), dtype=torch.float32)
+    logits = project_at_positions(hidden, project, rows[:, 0] * labels.shape[1] + rows[:, 1])
+    return F.cross_entropy(logits, predicted[rows[:, 0], rows[:, 1]])

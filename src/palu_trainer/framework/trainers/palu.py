@@ -5,8 +5,24 @@ import logging
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.method.losses import check_target, palu_forget_loss, reference_targets, resolve_top_k
-from palu_trainer.method.reference_cache import build_reference_cache, cache_dtype, describe
+from palu_trainer.method.losses import (
+    check_target,
+    forget_rows,
+    label_nll_at_positions,
+    palu_forget_loss,
+    palu_forget_loss_at_positions,
+    project_at_positions,
+    resolve_top_k,
+    select_predictions,
+    targets_from_selected,
+)
+from palu_trainer.method.reference_cache import (
+    build_reference_cache,
+    cache_dtype,
+    count_positions,
+    describe,
+    estimated_cache_bytes,
+)
 from palu_trainer.method.roles import count_roles
 
 ensure_importable()
@@ -15,6 +31,8 @@ from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 logger = logging.getLogger(__name__)
 
 RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
+# Causal LMs whose logits are exactly lm_head(final hidden state): no logit scaling or softcapping.
+PROJECTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
 
 
@@ -25,10 +43,19 @@ class PALUTrainer(GradDiff):
         top_k: K, the reference's top-K vocabulary entries that the local loss flattens; capped at |V|.
         target: c of the local loss: global_mean, topk_mean, ref_mean or uniform.
         kl_weight: λ, the weight of the KL term on common tokens.
-        reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
-            the first step the policy, whose weights are still the reference, runs once over the forget
-            set and PALU's reference targets are kept per row on host memory; no reference model exists.
-        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached probabilities.
+        reference_cache: `auto` (default), true or false. On: before the first step the policy, whose
+            weights are still the reference, runs once over the forget set and PALU's reference targets
+            are kept per row on host memory; no reference model exists. `auto`: on unless retain_loss_type
+            is KL or the cache's estimated size exceeds `reference_cache_budget_gb`.
+        reference_cache_top_m: m, the reference's most probable entries kept per common position; the
+            rest of its mass is one tail bucket (KL and gradient exact at the first step, error bounded
+            by the tail mass later; the build logs the tail mass). Capped at |V|.
+        reference_cache_dtype: float32, float16 or bfloat16, for the cached probabilities.
+        reference_cache_budget_gb: host GiB per rank that `auto` allows the cache (every rank holds all).
+
+    Logits are projected only where a loss reads them (forget: initiating and common positions; retain
+    NLL: label positions) for models whose logits are a plain output projection (PROJECTABLE_MODEL_TYPES);
+    other models get full logits.
 
     Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
     policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
@@ -40,7 +67,9 @@ class PALUTrainer(GradDiff):
         target="global_mean",
         kl_weight=1.0,
         reference_cache="auto",
+        reference_cache_top_m=512,
         reference_cache_dtype="float32",
+        reference_cache_budget_gb=4.0,
         *args,
         **kwargs,
     ):
@@ -57,6 +86,9 @@ class PALUTrainer(GradDiff):
         self.top_k = resolve_top_k(top_k, self.model.config.vocab_size)
         self._check_forget_batches()
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
+        self.reference_cache_top_m = resolve_top_k(reference_cache_top_m, self.model.config.vocab_size)
+        self.reference_cache_budget_gb = reference_cache_budget_gb
+        self.projects_at_positions = self._projects_at_positions()
         self.uses_reference_cache = self._cache_wanted(reference_cache)
         self.reference_cache = None
         if not self.uses_reference_cache and self.ref_model is None:
@@ -82,7 +114,68 @@ class PALUTrainer(GradDiff):
                 "retain_loss_type=KL reads the reference on retain rows: reference model kept, no cache"
             )
             return False
-        return bool(reference_cache)
+        if not reference_cache:
+            return False
+        forget = self.train_dataset.forget
+        n_initiating, n_common = count_positions(forget[i]["token_roles"] for i in range(len(forget)))
+        estimate = estimated_cache_bytes(
+            n_initiating, n_common, self.top_k, self.reference_cache_top_m, self.reference_cache_dtype
+        )
+        fits = estimate <= self.reference_cache_budget_gb * 2**30
+        choice = "reference cache" if fits or reference_cache is True else "reference model"
+        log = logger.info if fits else logger.warning
+        log(
+            "reference cache estimate: %.3f GiB per rank (%d initiating x K=%d, %d common x m=%d); "
+            "budget reference_cache_budget_gb=%s; reference_cache=%s: using the %s",
+            estimate / 2**30,
+            n_initiating,
+            self.top_k,
+            n_common,
+            self.reference_cache_top_m,
+            self.reference_cache_budget_gb,
+            reference_cache,
+            choice,
+        )
+        return choice == "reference cache"
+
+    def _projects_at_positions(self) -> bool:
+        config = self.model.config
+        plain_head = isinstance(self.model.get_output_embeddings(), torch.nn.Linear)
+        if config.model_type in PROJECTABLE_MODEL_TYPES and plain_head and config.pretraining_tp == 1:
+            return True
+        logger.warning(
+            "model_type=%s: logits may be scaled or capped after the output projection, so full logits are "
+            "computed at every position (projection at the loss positions only for %s)",
+            config.model_type,
+            ", ".join(PROJECTABLE_MODEL_TYPES),
+        )
+        return False
+
+    def _final_hidden(self, model, inputs):
+        """Final hidden states (B, T, d), through the (possibly wrapped) model's own forward so that
+        DDP and ZeRO-3 hooks run; only the last position's logits are computed there."""
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            output_hidden_states=True,
+            num_logits_to_keep=1,
+        )
+        return outputs.hidden_states[-1], outputs
+
+    def _output_projection(self, model):
+        """Called as a module (not its weight) so that ZeRO-3 gathers it; tied embeddings included."""
+        return self.accelerator.unwrap_model(model).get_output_embeddings()
+
+    def _selected_logits(self, model, inputs, roles):
+        """Logits at the initiating (M, V) and common (C, V) positions."""
+        if not self.projects_at_positions:
+            return select_predictions(model(**inputs).logits, roles)
+        hidden, _ = self._final_hidden(model, inputs)
+        initiating, common = forget_rows(roles)
+        selected = project_at_positions(
+            hidden, self._output_projection(model), torch.cat([initiating, common])
+        )
+        return selected[: len(initiating)], selected[len(initiating) :]
 
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
@@ -101,7 +194,15 @@ class PALUTrainer(GradDiff):
         was_training = model.training
         model.eval()
         cache = build_reference_cache(
-            lambda inputs: model(**inputs).logits, batches, self.top_k, self.reference_cache_dtype
+            lambda batch: self._selected_logits(
+                model,
+                {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+                batch["token_roles"],
+            ),
+            batches,
+            self.top_k,
+            self.reference_cache_top_m,
+            self.reference_cache_dtype,
         )
         model.train(was_training)
         logger.info(describe(cache, self.top_k, self.reference_cache_dtype))
@@ -112,22 +213,35 @@ class PALUTrainer(GradDiff):
             self.reference_cache = self._build_reference_cache(model)
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
-        forget_outputs = model(**forward_inputs)
-        logits, roles = forget_outputs.logits, forget["token_roles"]
+        roles = forget["token_roles"]
         if self.uses_reference_cache:
-            reference = self.reference_cache.targets(forget["index"], roles, logits.device)
+            reference = self.reference_cache.targets(forget["index"], roles, roles.device)
         else:
             with torch.no_grad():
-                reference_logits = self.ref_model(**forward_inputs).logits
-            reference = reference_targets(reference_logits, roles, self.top_k)
-        local_loss, kl_loss = palu_forget_loss(logits, roles, reference, self.target)
+                reference = targets_from_selected(
+                    *self._selected_logits(self.ref_model, forward_inputs, roles), self.top_k
+                )
+        if self.projects_at_positions:
+            hidden, forget_outputs = self._final_hidden(model, forward_inputs)
+            local_loss, kl_loss = palu_forget_loss_at_positions(
+                hidden, self._output_projection(model), roles, reference, self.target
+            )
+        else:
+            forget_outputs = model(**forward_inputs)
+            local_loss, kl_loss = palu_forget_loss(forget_outputs.logits, roles, reference, self.target)
 
         if self.retain_loss_type == "none":
             retain_loss = torch.zeros((), device=local_loss.device)
         else:
             retain = inputs["retain"]
             retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
-            retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
+            if self.retain_loss_type == "NLL" and self.projects_at_positions:
+                hidden, _ = self._final_hidden(model, retain_inputs)
+                retain_loss = label_nll_at_positions(
+                    hidden, self._output_projection(model), retain_inputs["labels"]
+                )
+            else:
+                retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
 
         loss = self.gamma * (local_loss + self.kl_weight * kl_loss) + self.alpha * retain_loss
         self._record_terms(local_loss, kl_loss, retain_loss, roles)
