@@ -60,12 +60,15 @@ def test_bench_times_a_new_table_entry(with_grad_ascent, tmp_path):
         "40",
     ]
     load_bench().main(
-        [*tiny, "--steps", "3", "--warmup", "1", "--top-k", "8", "--no-k-sweep", "--out", str(out)]
+        [*tiny, "--rounds", "2", "--steps-per-round", "1", "--top-k", "8", "--no-k-sweep", "--out", str(out)]
     )
-    timed = json.loads(out.read_text())["methods"]
+    timed = json.loads(out.read_text())["configs"]["custom"]["methods"]
     expected = ["GradDiff", "NPO", "SimNPO", "PALU, reference model", "PALU, reference cache", "GradAscent"]
     assert list(timed) == expected
-    assert all(result["step_s"] > 0 and result["steps_timed"] == 2 for result in timed.values())
+    for result in timed.values():
+        assert len(result["round_step_s"]) == 2 and result["step_s"]["min"] > 0
+        assert result["peak_memory_bytes"] > 0 and len(result["peak_memory_repeats"]) == 1
+    assert timed["GradDiff"]["step_vs_GradDiff"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert timed["PALU, reference cache"]["host_cache_bytes"] > 0 == timed["GradAscent"]["host_cache_bytes"]
 
 
