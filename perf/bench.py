@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ def make_rows(count, length, vocab_size, seed, with_roles):
     return rows
 
 
-def bench_top_k(device, vocab_size=128256, batch=2, length=128, repeats=3):
+def bench_top_k(device, vocab_size=128256, batch=2, length=48, repeats=3):
     """Forward+backward time of PALU's forget loss alone, against K, given the reference targets."""
     torch.manual_seed(0)
     logits = torch.randn(batch, length, vocab_size, device=device, requires_grad=True)
@@ -334,20 +335,13 @@ def summary(values):
 
 def bench_config(name, config, args, device, out_dir):
     runs = bench_runs(args.top_k)
-    body, projection = matmul_parameters(
-        config["vocab_size"],
-        config["hidden_size"],
-        config["layers"],
-        config["intermediate_size"],
-        config["heads"],
-        config["kv_heads"],
-    )
+    share = projection_share(config)
     parameters = sum(p.numel() for p in LlamaForCausalLM(llama_config(config)).parameters())
     print(
         f"\n## {name}: {parameters / 1e6:.1f}M parameters (V={config['vocab_size']}, hidden "
         f"{config['hidden_size']}, {config['layers']} layers, MLP {config['intermediate_size']}, "
         f"{config['heads']}/{config['kv_heads']} heads, tied={config['tie_word_embeddings']});"
-        f" output projection {projection / (body + projection):.2%} of a step's matmul FLOPs; batch "
+        f" output projection {share:.2%} of a step's matmul FLOPs; batch "
         f"{config['batch_size']}x"
         f"{config['length']} tokens; {args.rounds} rounds of {args.steps_per_round} steps per method after "
         f"{args.warmup_rounds} warm-up; K={args.top_k}",
@@ -357,7 +351,12 @@ def bench_config(name, config, args, device, out_dir):
     rounds, cache_bytes = time_interleaved(runs, config, args, device, out_dir)
     print(f"  timing: {time.perf_counter() - started:.0f} s", flush=True)
     started = time.perf_counter()
-    memory = {label: [peak_memory(label, config, args) for _ in range(args.memory_repeats)] for label in runs}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # separate processes: one's RSS is not the other's
+        pending = {
+            label: [pool.submit(peak_memory, label, config, args) for _ in range(args.memory_repeats)]
+            for label in runs
+        }
+        memory = {label: [future.result() for future in futures] for label, futures in pending.items()}
     print(f"  memory: {time.perf_counter() - started:.0f} s", flush=True)
     methods = {}
     for label in runs:
@@ -374,7 +373,7 @@ def bench_config(name, config, args, device, out_dir):
     return {
         "config": config,
         "parameters": parameters,
-        "projection_share": projection / (body + projection),
+        "projection_share": share,
         "methods": methods,
     }
 
