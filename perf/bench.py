@@ -293,11 +293,10 @@ def process_memory(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def peak_memory_child(label, config, args):
+def peak_memory_child(run, config, args):
     """In a fresh process: build the model and run `args.memory_steps` steps of one method alone."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     register()
-    run = bench_runs(args.top_k)[label]
     forget, retain, batches = bench_data(config, args.memory_steps, device)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # Linux: peak RSS := current RSS (imports' peak gone)
@@ -319,8 +318,15 @@ def peak_memory_child(label, config, args):
     print("PEAK_MEMORY " + json.dumps({"bytes": peak}))
 
 
-def peak_memory(label, config, args) -> int:
-    command = [sys.executable, __file__, "--memory-child", label, "--config-json", json.dumps(config)]
+def peak_memory(label, run, config, args) -> int:
+    command = [
+        sys.executable,
+        __file__,
+        "--memory-child",
+        json.dumps(run),
+        "--config-json",
+        json.dumps(config),
+    ]
     command += ["--memory-steps", str(args.memory_steps), "--top-k", str(args.top_k), "--out", args.out]
     result = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("PEAK_MEMORY ")]
@@ -353,8 +359,8 @@ def bench_config(name, config, args, device, out_dir):
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=2) as pool:  # separate processes: one's RSS is not the other's
         pending = {
-            label: [pool.submit(peak_memory, label, config, args) for _ in range(args.memory_repeats)]
-            for label in runs
+            label: [pool.submit(peak_memory, label, run, config, args) for _ in range(args.memory_repeats)]
+            for label, run in runs.items()
         }
         memory = {label: [future.result() for future in futures] for label, futures in pending.items()}
     print(f"  memory: {time.perf_counter() - started:.0f} s", flush=True)
@@ -431,7 +437,7 @@ def main(argv=None):
     parser.add_argument("--config-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
-        return peak_memory_child(args.memory_child, json.loads(args.config_json), args)
+        return peak_memory_child(json.loads(args.memory_child), json.loads(args.config_json), args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = {
         key: getattr(args, key) for key in ("vocab_size", "hidden_size", "layers", "batch_size", "length")
