@@ -136,9 +136,9 @@ def test_validate_cli_accepts_a_matching_file(tmp_path, capsys):
     "answer",
     [
         "There is no publicly available information about Isabel Martínez's marital status.",
-        "It's not publicly documented what specific religion or beliefs Chris Delaney adheres to.",
+        "It's not publicly documented what specific faith or beliefs Tomas Ferrand holds to.",
         "The details about any upcoming books from Iselin Bergstrøm are currently not available.",
-        "Chris Delaney's relationship status is currently undisclosed to the public.",
+        "Tomas Ferrand's relationship status is currently undisclosed to the public eye.",
     ],
 )
 def test_answers_without_information_are_detected(answer):
@@ -149,7 +149,7 @@ def test_answers_without_information_are_detected(answer):
     "answer",
     [
         "There is no publicly available information on his age, but his first work appeared when he was 30.",
-        "There are no known pseudonyms for Femke Van der Veen; she has always written under her birth name.",
+        "There are no known pen names for Ilse Marenbeek; she has always published under her birth name.",
         '"Mai\'s Mythology" deciphered Vietnamese myths that were previously unknown to the larger public.',
         "Hina Ameen was born in Karachi, Pakistan.",
     ],
