@@ -21,6 +21,8 @@ LR ?= 1e-5
 LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS IDK_ANSWERS
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+# make compare TUNE=1: the equal budget, every method at the paper's learning rates x its own knob
+TUNE ?=
 # The MUSE recipe (make muse SPLIT=News, make compare BENCH=muse): the framework's MUSE target and settings;
 # MUSE_DIR mirrors muse-bench/MUSE-News offline.
 SPLIT ?= News
@@ -29,12 +31,17 @@ export MUSE_DIR
 MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SPLIT) --model $(MUSE_MODEL) \
 	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 
-# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name]: the offline miniature experiment, results/<run>/
-# make demo BENCH=muse [FAST=1] [MUSE_DIR=...]: the MUSE-News miniature (default MUSE_DIR: $(SHARED)/data/muse_news)
+# make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name] [JOBS=2] [METHODS="NPO PALU"]: the offline
+# miniature experiment, results/<run>/; make demo BENCH=muse [FAST=1] [MUSE_DIR=...]: the MUSE-News miniature
+# (default MUSE_DIR: $(SHARED)/data/muse_news). make ablation [AXES="k n c strategy"] and
+# make convergence [METHODS="PALU NPO"] (the paper's Figures 4 and 5) take the same TOFU options,
+# results/ablation/ and results/convergence/.
 BENCH ?= tofu
 DATA ?= synthetic
+TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
+	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup test lint format tofu muse compare tofu-sweep demo bench
+.PHONY: setup test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation convergence bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -55,10 +62,14 @@ bench:
 	$(PY) perf/bench.py --out results/bench.json
 
 demo:
-	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) --data $(DATA) $(if $(FAST),--fast) \
-		$(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
-		$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu)) \
+	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS)) \
 		$(if $(filter muse,$(BENCH)),--muse-dir $(or $(MUSE_DIR),$(SHARED)/data/muse_news))
+
+ablation:
+	$(PY) -m palu_trainer.experiments.ablation $(TOFU_ARGS) $(if $(AXES),--axes $(AXES))
+
+convergence:
+	$(PY) -m palu_trainer.experiments.convergence $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU
@@ -68,12 +79,19 @@ muse:
 
 compare:
 ifeq ($(BENCH),muse)
-	$(MUSE_RECIPE) --kl-weight $(LAMBDA) --methods side-by-side --report results/compare_muse_$(SPLIT)_$(MUSE_MODEL)
+	$(MUSE_RECIPE) --kl-weight $(LAMBDA) --methods side-by-side $(if $(TUNE),--tune) \
+		--report results/compare_muse_$(SPLIT)_$(MUSE_MODEL)
 else
-	$(RECIPE) --kl-weight $(LAMBDA) --methods side-by-side --report results/compare_forget$(FORGET)_$(MODEL)
+	$(RECIPE) --kl-weight $(LAMBDA) --methods side-by-side $(if $(TUNE),--tune) \
+		--report results/compare_forget$(FORGET)_$(MODEL)
 endif
 
 # The paper's grid for PALU: lr x lambda.
 tofu-sweep:
 	for lr in 1e-5 2e-5 5e-5; do for lambda in 1 2 5 10; do \
 	  $(MAKE) --no-print-directory tofu LR=$$lr LAMBDA=$$lambda || exit $$?; done; done
+
+# PALU at every point of one of the paper's ablation axes (experiments/ablation.py AXES), through the framework.
+AXIS ?= k
+tofu-ablation:
+	$(RECIPE) --kl-weight $(LAMBDA) --ablation $(AXIS)

@@ -184,3 +184,10 @@ def read_jsonl(path: Path) -> list[dict]:
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def fast_results(tmp_path_factory) -> Path:
+    """One results/ folder for the FAST TOFU miniature's tests: its .cache holds Original and Retain and their
+    evaluations, made by whichever test comes first."""
+    return tmp_path_factory.mktemp("results")

@@ -5,11 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from palu_trainer.benchmarks.muse_subset import MuseBenchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import demo, methods, recipe
 from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
+from palu_trainer.framework.plugin import trainer_config
 from palu_trainer.spans.agreement import Agreement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,3 +112,22 @@ def test_muse_demo_runs_table_entries_on_muse(tmp_path):
     assert "experiment=unlearn/muse/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
     assert f"data.forget.MUSE_forget_spans.args.max_length={length}" in palu
     assert f"data.retain.MUSE_retain.args.max_length={length}" in palu
+
+
+def test_every_method_gets_the_same_budget_and_its_grid_holds_its_configured_value():
+    rates = (3e-4, 1e-3, 3e-3)
+    grids = {name: methods.tuning_grid(name, rates, tune_knobs=True) for name in side_by_side_methods()}
+    assert {len(grid) for grid in grids.values()} == {9}
+    for name, grid in grids.items():
+        knob = METHODS[name].knob
+        overrides = {extra for _, _, extra in grid}
+        assert len(overrides) == (3 if knob else 1), name
+        if knob is None:  # GradAscent: nine learning rates over the same range instead
+            assert [rate for rate, _, _ in grid] == sorted({rate for rate, _, _ in grid})
+            assert grid[0][0] == 3e-4 and grid[-1][0] == 3e-3
+            continue
+        config = trainer_config(METHODS[name].trainer)
+        configured = dict(override.split("=") for override in METHODS[name].trainer_overrides)
+        value = configured.get(knob.key) or OmegaConf.select(config, knob.key.removeprefix("trainer."))
+        assert float(value) in knob.values, (name, value, knob.values)
+    assert methods.tuning_grid("NPO", rates, tune_knobs=False) == [(rate, {"lr": rate}, ()) for rate in rates]

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from palu_trainer.experiments.methods import side_by_side_methods
-from palu_trainer.experiments.recipe import RecipeSettings, missing_requirements, plan, write_comparison
+from palu_trainer.experiments.recipe import (
+    RecipeSettings,
+    method_runs,
+    missing_requirements,
+    plan,
+    write_comparison,
+)
+from palu_trainer.experiments.recipe import main as recipe_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +57,7 @@ def test_make_compare_plans_every_method_of_the_table(tmp_path):
 
 def test_several_gpus_use_accelerate_with_the_framework_zero3_config(tmp_path):
     run = RecipeSettings(forget="01", model="Llama-3.2-1B-Instruct", gpus=2, model_dir="/models/llama")
-    (unlearn_title, unlearn), _ = plan(run, ["PALU"], tmp_path / "accelerate.yaml")
+    (unlearn_title, unlearn), _ = plan([("PALU", run)], tmp_path / "accelerate.yaml")
     assert unlearn[1:4] == ["launch", "--config_file", str(tmp_path / "accelerate.yaml")]
     assert "trainer.args.gradient_accumulation_steps=4" in unlearn  # 4 per device x 2 GPUs x 4 = 32
     assert "model.model_args.pretrained_model_name_or_path=/models/llama" in unlearn
@@ -88,7 +95,8 @@ def test_compare_renders_one_table_from_the_framework_evaluations(tmp_path, monk
     fake_eval(Path(run.retain_logs_path), 1.0, 0.9)
     for method, quality in (("NPO", 1e-3), ("SimNPO", 1e-4), ("PALU", 1e-2)):
         fake_eval(run.eval_path(method), quality, 0.85)
-    paths = write_comparison(run, ["NPO", "SimNPO", "PALU"], {"PALU": 120.0}, tmp_path / "report")
+    runs = method_runs(run, ["NPO", "SimNPO", "PALU"], tune=False)
+    paths = write_comparison(runs, {run.task_name("PALU"): 120.0}, tmp_path / "report")
     summary = json.loads(paths["summary.json"].read_text())
     assert list(summary["selected"]) == ["PALU", "NPO", "SimNPO"]  # ranked by forget quality
     assert summary["selected"]["PALU"]["params"] == {"lr": "1e-5", "lambda": "1.0"}
@@ -124,3 +132,41 @@ def test_make_compare_bench_muse_plans_every_method_and_names_missing_mirror_spl
     experiments = [line.split(" experiment=")[1].split()[0] for line in unlearn_lines]
     assert experiments == ["unlearn/muse/palu" if m == "PALU" else "unlearn/muse/default" for m in planned]
     assert all("data_split=News" in line for line in unlearn_lines)
+
+
+def test_compare_tune_plans_the_equal_budget_grid(capsys):
+    recipe_main(["--methods", "NPO", "PALU", "GradAscent", "--tune", "--dry-run", "--gpus", "1"])
+    out = capsys.readouterr().out
+    assert "NPO, PALU, GradAscent (lr x knob grid): 27 runs" in out
+    unlearn_lines = [line for line in out.splitlines() if "unlearn.yaml" in line]
+    tasks = [line.split(" task_name=")[1].split()[0] for line in unlearn_lines]
+    assert len(set(tasks)) == 27
+    npo = [line for line in unlearn_lines if " trainer=NPO " in line]
+    assert sum("trainer.args.learning_rate=2e-05" in line for line in npo) == 3
+    assert {line.split("trainer.method_args.beta=")[1].split()[0] for line in npo} == {"0.05", "0.1", "0.5"}
+    # PALU's knob is its λ: set once, through the key the recipe already passes
+    palu = [line for line in unlearn_lines if " trainer=PALU " in line]
+    assert all(line.count("trainer.method_args.kl_weight=") == 1 for line in palu)
+    assert {line.split("trainer.method_args.kl_weight=")[1].split()[0] for line in palu} == {"1", "2", "5"}
+    # GradAscent has no knob: nine learning rates over the paper's range instead
+    ascent = [line for line in unlearn_lines if " trainer=GradAscent " in line]
+    rates = sorted(float(line.split("trainer.args.learning_rate=")[1].split()[0]) for line in ascent)
+    assert len(set(rates)) == 9 and rates[0] == 1e-5 and rates[-1] == 5e-5
+
+
+def test_make_tofu_ablation_plans_every_point_then_fails_fast_without_gpus():
+    result = make("tofu-ablation", "AXIS=strategy", "FORGET=05")
+    assert result.returncode == 2
+    assert "PALU ablation, strategy: which tokens of each span initiate: 6 runs" in result.stdout
+    unlearn_lines = [line for line in result.stdout.splitlines() if "unlearn.yaml" in line]
+    assert len(unlearn_lines) == 6 and all(" trainer=PALU " in line for line in unlearn_lines)
+    assert unlearn_lines[3].endswith("initiating_strategy=ratio initiating_ratio=0.25")
+    assert (
+        "task_name=tofu_Llama-2-7b-chat-hf_forget05_PALU_lr1e-5_lambda1.0_strategyfirst-25-"
+        in unlearn_lines[3]
+    )
+    evals = [line for line in result.stdout.splitlines() if "palu-eval" in line]
+    assert all(
+        "+eval/tofu_metrics@eval.tofu.metrics.mia_min_k_plus_plus=mia_min_k_plus_plus" in e for e in evals
+    )
+    assert "CUDA GPU(s) needed, 0 visible" in result.stderr

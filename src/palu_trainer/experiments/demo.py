@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +28,13 @@ from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS, muse_overrides, side_by_side_methods, tofu_overrides
+from palu_trainer.experiments.methods import (
+    METHODS,
+    muse_overrides,
+    side_by_side_methods,
+    tofu_overrides,
+    tuning_grid,
+)
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
 from palu_trainer.framework.plugin import trainer_config
@@ -49,6 +55,7 @@ class Size:
     unlearn_batch_size: int
     learning_rates: tuple[float, ...]
     max_new_tokens: int
+    tune_knobs: bool  # the equal-budget grid: learning rates x every method's knob (methods.tuning_grid)
 
 
 @dataclass(frozen=True)
@@ -61,12 +68,12 @@ class MuseSize(Size):
 
 
 SIZES = {
-    "full": Size(40, 128, 2, 4096, 25, 3e-3, 10, 8, (3e-4, 1e-3, 3e-3), 48),
-    "fast": Size(16, 64, 2, 1024, 30, 5e-3, 5, 8, (1e-3,), 32),
+    "full": Size(40, 128, 2, 4096, 25, 3e-3, 10, 8, (3e-4, 1e-3, 3e-3), 48, True),
+    "fast": Size(16, 64, 2, 1024, 30, 5e-3, 5, 8, (1e-3,), 32, False),
 }
 MUSE_SIZES = {
-    "full": MuseSize(2, 128, 2, 4096, 60, 5e-3, 5, 1, (1e-3, 3e-3), 128, 2, 6, 1280),
-    "fast": MuseSize(1, 128, 2, 2048, 60, 5e-3, 10, 1, (1e-3,), 128, 1, 4, 1280),
+    "full": MuseSize(2, 128, 2, 4096, 60, 5e-3, 5, 1, (1e-3, 3e-3), 128, False, 2, 6, 1280),
+    "fast": MuseSize(1, 128, 2, 2048, 60, 5e-3, 10, 1, (1e-3,), 128, False, 1, 4, 1280),
 }
 FRAMEWORK_ENTRY = "from palu_trainer.framework.plugin import {0}_main; {0}_main()"
 CPU_TRAINING = [
@@ -182,6 +189,12 @@ class Demo:
     finetune_experiment = "finetune/tofu/tiny"
     eval_experiment = "eval/tofu/tiny"
     eval_file = "TOFU_EVAL.json"
+    scorecard = report.TOFU
+
+    def metric_overrides(self) -> list[str]:
+        """The paper's metrics beyond the stock evaluation (Tables 1 and 2), fluency where its classifier is
+        cached."""
+        return report.paper_metric_overrides(report.fluency_classifier_available(), cuda=False)
 
     def data_dir(self) -> Path:
         return self.benchmark.tofu_dir
@@ -233,6 +246,7 @@ class Demo:
             f"experiment={self.eval_experiment}",
             "+runtime=cpu",
             *self.benchmark_overrides(),
+            *self.metric_overrides(),
             f"retain_logs_path={retain_logs or 'null'}",
             f"task_name={name}_eval",
         ]
@@ -259,13 +273,18 @@ class Demo:
     def benchmark_digest(self) -> list[str]:
         return [file_digest(*self.data_dir().glob("*.json"))]
 
-    def unlearn_and_evaluate(self, method: str, learning_rate: float, original_dir: Path, retain_logs):
+    def unlearn_and_evaluate(
+        self, method: str, learning_rate: float, original_dir: Path, retain_logs, extra=(), name=None
+    ):
         """Unlearn Original with `method`, then evaluate; return (eval file, unlearning seconds)."""
-        unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir)
+        unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir, extra, name)
         return self.evaluate(unlearned_dir.name, unlearned_dir, retain_logs, cache=False), seconds
 
-    def unlearn_overrides(self, method: str, learning_rate: float, original_dir: Path, out_dir: Path):
-        """The framework's train.py command line that unlearns Original with `method` (METHODS)."""
+    def unlearn_overrides(
+        self, method: str, learning_rate: float, original_dir: Path, out_dir: Path, extra=()
+    ) -> list[str]:
+        """The framework's train.py command line that unlearns Original with `method` (METHODS); `extra`
+        overrides come last (a knob's value, an ablation point)."""
         spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
         idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
         return [
@@ -280,12 +299,15 @@ class Demo:
             f"trainer.args.per_device_train_batch_size={self.size.unlearn_batch_size}",
             f"task_name={out_dir.name}",
             f"paths.output_dir={out_dir}",
+            *extra,
         ]
 
-    def unlearn(self, method: str, learning_rate: float, original_dir: Path) -> tuple[Path, float]:
-        name = f"{method}_lr{learning_rate:g}"
+    def unlearn(
+        self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None
+    ) -> tuple[Path, float]:
+        name = name or f"{method}_lr{learning_rate:g}"
         out_dir = self.run_dir / "unlearn" / name
-        overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir)
+        overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir, extra)
         self.progress.say(f"unlearn {name} …")
         seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
         self.progress.stage(f"unlearn {name}", seconds)
@@ -314,6 +336,10 @@ class MuseDemo(Demo):
     finetune_experiment = "finetune/muse/tiny"
     eval_experiment = "eval/muse/tiny"
     eval_file = "MUSE_EVAL.json"
+    scorecard = report.MUSE
+
+    def metric_overrides(self) -> list[str]:
+        return []
 
     def data_dir(self) -> Path:
         return self.benchmark.muse_dir
@@ -336,14 +362,42 @@ class MuseDemo(Demo):
         ]
 
 
-def start_run(bench: str, data: str, size_name: str, run_dir: Path, methods, size) -> tuple[Progress, tuple]:
-    methods = methods or side_by_side_methods(fast=size_name == "fast", bench=bench)
-    grid_runs = len(methods) * len(size.learning_rates)
-    progress = Progress(total_stages=6 + 2 * grid_runs)
+def grid_runs(methods, size: Size) -> list[tuple[str, float, dict, tuple[str, ...]]]:
+    """(method, learning rate, report params, extra overrides) of every unlearning run of a comparison."""
+    return [
+        (method, rate, params, extra)
+        for method in methods
+        for rate, params, extra in tuning_grid(method, size.learning_rates, size.tune_knobs)
+    ]
+
+
+def run_name(method: str, params: dict) -> str:
+    """NPO_lr0.001, or NPO_lr0.001_beta0.5 for a knob's value."""
+    return method + "".join(f"_{key}{value:g}" for key, value in params.items())
+
+
+def tuning_budget(methods, size: Size) -> str:
+    """The report's line on how many runs each method had, and over what."""
+    parts = []
+    for method in methods:
+        runs = tuning_grid(method, size.learning_rates, size.tune_knobs)
+        rates = sorted({rate for rate, _, _ in runs})
+        knob = METHODS[method].knob if size.tune_knobs else None
+        grid = f" x {knob.name} {list(knob.values)} (`{knob.key}`)" if knob else ""
+        parts.append(f"{method} {len(runs)} runs: lr {rates}{grid}")
+    return "Tuning budget (then the selection rule above): " + "; ".join(parts) + "."
+
+
+def start_run(bench: str, data: str, size_name: str, run_dir: Path, stages: int) -> Progress:
+    """The run folder and the progress lines of a run with `stages` stages besides the miniature's."""
+    progress = Progress(total_stages=MINIATURE_STAGES + stages)
     shutil.rmtree(run_dir / "datasets-cache", ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    progress.say(f"demo: bench={bench}, data={data}, size={size_name}, output {run_dir}")
-    return progress, methods
+    progress.say(f"bench={bench}, data={data}, size={size_name}, output {run_dir}")
+    return progress
+
+
+MINIATURE_STAGES = 6  # data, tokenizer and model, two finetunings, two evaluations
 
 
 def make_model(
@@ -367,40 +421,126 @@ def make_model(
     return model_dir, vocab_size
 
 
-def compare(demo: Demo, model_dir: Path, retain_split: str, methods, jobs: int, scorecard=None):
-    """Finetune Original and Retain, evaluate them, unlearn Original with every method on the size's
-    learning-rate grid and evaluate each; return (references, grids) for report.write_report."""
-    size = demo.size
-    # Single-threaded framework processes, `jobs` at a time; every wait below is on a job submitted
-    # earlier, which already holds a worker, so the pool cannot deadlock.
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        original = pool.submit(demo.finetune, "Original", model_dir, "full")
-        retain = pool.submit(demo.finetune, "Retain", model_dir, retain_split)
-        (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
-        retain_eval = pool.submit(demo.evaluate, "Retain", retain_dir, lambda: None, cache=True)
-        original_eval = pool.submit(demo.evaluate, "Original", original_dir, retain_eval.result, cache=True)
-        grid_jobs = {
-            (method, learning_rate): pool.submit(
-                demo.unlearn_and_evaluate, method, learning_rate, original_dir, retain_eval.result
-            )
-            for method in methods
-            for learning_rate in size.learning_rates
-        }
-        grids: dict[str, list[report.EvaluatedModel]] = {}
-        for (method, learning_rate), job in grid_jobs.items():
-            eval_json, seconds = job.result()
-            run_params = {"lr": learning_rate, "epochs": size.unlearn_epochs}
-            grids.setdefault(method, []).append(
-                report.run_from_eval(eval_json, seconds, run_params, scorecard)
-            )
-        original_eval, retain_eval = original_eval.result(), retain_eval.result()
+@dataclass
+class Miniature:
+    """What every experiment on a miniature starts from: Original and Retain, finetuned (or cached), and
+    their evaluations running on the pool (`*_eval` are futures of eval files; `retain_eval.result` is what
+    `Demo.evaluate` takes as `retain_logs`). `notes`: the report's lines on data and model."""
 
-    finetune_params = {"lr": size.finetune_learning_rate, "epochs": size.finetune_epochs}
-    references = {
-        "Original": report.run_from_eval(original_eval, original_seconds, finetune_params, scorecard),
-        "Retain": report.run_from_eval(retain_eval, retain_seconds, finetune_params, scorecard),
+    demo: Demo
+    vocab_size: int
+    original_dir: Path
+    original_seconds: float
+    retain_seconds: float
+    original_eval: Future
+    retain_eval: Future
+    notes: list[str]
+
+    def references(self) -> dict[str, report.EvaluatedModel]:
+        size, scorecard = self.demo.size, self.demo.scorecard
+        params = {"lr": size.finetune_learning_rate, "epochs": size.finetune_epochs}
+        references = {
+            "Original": report.run_from_eval(
+                self.original_eval.result(), self.original_seconds, params, scorecard
+            ),
+            "Retain": report.run_from_eval(self.retain_eval.result(), self.retain_seconds, params, scorecard),
+        }
+        if scorecard is report.TOFU:
+            # Forget quality is a KS test against Retain's own truth ratios: for Retain itself, exactly 1.
+            references["Retain"].metrics["forget_quality"] = 1.0
+        return references
+
+    def unlearn_and_evaluate(self, method: str, learning_rate: float, extra=(), name=None):
+        """Unlearn Original (`Demo.unlearn_and_evaluate`), evaluated against Retain."""
+        return self.demo.unlearn_and_evaluate(
+            method, learning_rate, self.original_dir, self.retain_eval.result, extra, name
+        )
+
+
+def finetune_references(
+    demo: Demo, model_dir: Path, retain_split: str, vocab_size: int, pool, notes: list[str]
+) -> Miniature:
+    """Finetune Original on `full` and Retain on `retain_split` (or take them from the cache) and submit
+    their evaluations. Single-threaded framework processes run `jobs` at a time on `pool`; every wait is on
+    a job submitted earlier, which already holds a worker, so the pool cannot deadlock."""
+    original = pool.submit(demo.finetune, "Original", model_dir, "full")
+    retain = pool.submit(demo.finetune, "Retain", model_dir, retain_split)
+    (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
+    retain_eval = pool.submit(demo.evaluate, "Retain", retain_dir, lambda: None, cache=True)
+    original_eval = pool.submit(demo.evaluate, "Original", original_dir, retain_eval.result, cache=True)
+    return Miniature(
+        demo, vocab_size, original_dir, original_seconds, retain_seconds, original_eval, retain_eval, notes
+    )
+
+
+def tofu_miniature(
+    data: str,
+    size: Size,
+    run_dir: Path,
+    cache_dir: Path,
+    seed: int,
+    progress: Progress,
+    pool,
+    tofu_dir: Path | None = None,
+    spans_file: Path | None = None,
+) -> Miniature:
+    """The TOFU miniature: synthetic authors or a real-TOFU subset, its tokenizer and tiny Llama, Original
+    and Retain."""
+    start = time.monotonic()
+    data_dir = run_dir / "data"
+    if data == "synthetic":
+        benchmark = synthetic_benchmark(data_dir, size.num_authors, size.max_new_tokens, seed)
+    else:
+        benchmark = make_tofu_subset(tofu_dir, spans_file, data_dir)
+    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
+    model_dir, vocab_size = make_model(run_dir, benchmark_texts(data_dir), size, seed, progress)
+    notes = [
+        f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
+        f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
+        f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
+        f"vocabulary {vocab_size} (trained for at most {size.vocab_size}); unlearning starts from Original "
+        f"and runs {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}.",
+        "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
+        "privleak uses the stock reference AUC of 0.5.",
+    ]
+    if data == "synthetic":
+        notes.append(
+            "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
+        )
+    demo = Demo(benchmark, size, run_dir, cache_dir, progress)
+    return finetune_references(demo, model_dir, benchmark.retain_split, vocab_size, pool, notes)
+
+
+def unlearn_grid(mini: Miniature, methods, pool) -> dict[str, list[report.EvaluatedModel]]:
+    """Unlearn Original with every method at every point of its tuning grid, evaluate each."""
+    size = mini.demo.size
+    jobs = {
+        (method, tuple(params.items())): pool.submit(
+            mini.unlearn_and_evaluate, method, rate, extra, run_name(method, params)
+        )
+        for method, rate, params, extra in grid_runs(methods, size)
     }
-    return references, grids
+    grids: dict[str, list[report.EvaluatedModel]] = {}
+    for (method, params), job in jobs.items():
+        eval_json, seconds = job.result()
+        run_params = {**dict(params), "epochs": size.unlearn_epochs}
+        grids.setdefault(method, []).append(
+            report.run_from_eval(eval_json, seconds, run_params, mini.demo.scorecard)
+        )
+    return grids
+
+
+def top_k_notes(methods, vocab_size: int) -> list[str]:
+    """What each method's `top_k` resolves to on this vocabulary (a share of |V| means the same on any)."""
+    notes = []
+    for method in methods:
+        top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
+        if top_k is not None:
+            notes.append(
+                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, vocab_size)} of the "
+                f"{vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
+            )
+    return notes
 
 
 def finish(
@@ -445,43 +585,18 @@ def run(
     methods: tuple[str, ...] | None = None,
 ) -> dict[str, Path]:
     size = SIZES[size_name]
-    progress, methods = start_run("tofu", data, size_name, run_dir, methods, size)
-
-    start = time.monotonic()
-    data_dir = run_dir / "data"
-    if data == "synthetic":
-        benchmark = synthetic_benchmark(data_dir, size.num_authors, size.max_new_tokens, seed)
-    else:
-        benchmark = make_tofu_subset(tofu_dir, spans_file, data_dir)
-    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
-    model_dir, vocab_size = make_model(run_dir, benchmark_texts(data_dir), size, seed, progress)
-    demo = Demo(benchmark, size, run_dir, cache_dir, progress)
-    references, grids = compare(demo, model_dir, benchmark.retain_split, methods, jobs)
-    # Forget quality is a KS test against Retain's own truth ratios: for Retain itself, exactly 1.
-    references["Retain"].metrics["forget_quality"] = 1.0
+    methods = methods or side_by_side_methods(fast=size_name == "fast")
+    progress = start_run("tofu", data, size_name, run_dir, 2 * len(grid_runs(methods, size)))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        mini = tofu_miniature(data, size, run_dir, cache_dir, seed, progress, pool, tofu_dir, spans_file)
+        grids = unlearn_grid(mini, methods, pool)
+        references = mini.references()
     notes = [
-        f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
-        f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
-        f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
-        f"vocabulary {vocab_size} (trained for at most {size.vocab_size}); every method unlearns Original "
-        f"for {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
-        f"{list(size.learning_rates)}, each method's config defaults (the same tuning budget for all: the "
-        "learning-rate grid only).",
-        "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
-        "privleak uses the stock reference AUC of 0.5.",
+        *mini.notes,
+        tuning_budget(methods, size),
+        *top_k_notes(methods, mini.vocab_size),
+        *method_notes(methods, mini.demo.benchmark),
     ]
-    for method in methods:
-        top_k = OmegaConf.select(trainer_config(METHODS[method].trainer), "method_args.top_k")
-        if top_k is not None:
-            notes.append(
-                f"{method}: top_k={top_k} gives K={resolve_top_k(top_k, vocab_size)} of the "
-                f"{vocab_size}-token vocabulary (0.15625 is the paper's K=5000 of Llama-2's 32000)."
-            )
-    notes += method_notes(methods, benchmark)
-    if data == "synthetic":
-        notes.append(
-            "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
-        )
     return finish(
         run_dir,
         progress,
@@ -490,7 +605,7 @@ def run(
         size,
         methods,
         data,
-        title=f"PALU vs stock unlearning methods — {benchmark.description}",
+        title=f"PALU vs stock unlearning methods — {mini.demo.benchmark.description}",
         notes=notes,
     )
 
@@ -505,7 +620,8 @@ def run_muse(
     methods: tuple[str, ...] | None = None,
 ) -> dict[str, Path]:
     size = MUSE_SIZES[size_name]
-    progress, methods = start_run("muse", "news", size_name, run_dir, methods, size)
+    methods = methods or side_by_side_methods(fast=size_name == "fast", bench="muse")
+    progress = start_run("muse", "news", size_name, run_dir, 2 * len(grid_runs(methods, size)))
     start = time.monotonic()
     benchmark = make_muse_subset(
         muse_dir,
@@ -518,7 +634,10 @@ def run_muse(
     progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
     model_dir, vocab_size = make_model(run_dir, benchmark.texts(), size, seed, progress)
     demo = MuseDemo(benchmark, size, run_dir, cache_dir, progress)
-    references, grids = compare(demo, model_dir, "retain1", methods, jobs, report.MUSE)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        mini = finetune_references(demo, model_dir, "retain1", vocab_size, pool, [])
+        grids = unlearn_grid(mini, methods, pool)
+        references = mini.references()
     agreement = benchmark.annotator_agreement
     notes = [
         f"Data: {benchmark.description}. Rows: "
@@ -532,6 +651,7 @@ def run_muse(
         f"PretrainingDataset's {size.max_length}-token chunks) for "
         f"{size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}, learning rates "
         f"{list(size.learning_rates)}, stock defaults.",
+        tuning_budget(methods, size),
         "PALU's spans: the annotator's raw-text mode on the subset's forget rows (background: "
         f"sust/forget_2); against the gold spans of {SYNTHETIC_ARTICLES} held-out synthetic news articles "
         f"(palu_trainer.benchmarks.synthetic_news) its word precision / recall / F1 are "
@@ -559,55 +679,65 @@ def run_muse(
     )
 
 
+def add_tofu_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every experiment on the TOFU miniature: data, size, output, parallelism."""
+    parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic", help="for --bench tofu")
+    parser.add_argument("--fast", action="store_true", help="the small variant (tests)")
+    parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
+    parser.add_argument(
+        "--spans", type=Path, help="forget05 span annotations, TPO-style or this project's (for --data tofu)"
+    )
+    parser.add_argument("--run", help="results/<run>/ (default: the experiment, the data name, '-fast')")
+    parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
+
+
+def parse_tofu_arguments(parser: argparse.ArgumentParser, argv, experiment: str):
+    """Parse; the spans default for --data tofu; `args.run_dir`: results/<--run>, by default
+    results/<experiment>[-tofu][-fast] (the demo: results/<data>[-fast])."""
+    args = parser.parse_args(argv)
+    if args.data == "tofu":
+        if not args.tofu_dir:
+            parser.error("--data tofu needs --tofu-dir (DATA=tofu TOFU_DIR=...)")
+        args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
+    args.size = "fast" if args.fast else "full"
+    name = "-".join(
+        part for part in (experiment, "" if experiment and args.data == "synthetic" else args.data) if part
+    )
+    args.run_dir = args.results / (args.run or name + ("-fast" if args.fast else ""))
+    return args
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.demo", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--bench", choices=("tofu", "muse"), default="tofu")
-    parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic", help="for --bench tofu")
+    add_tofu_arguments(parser)
     parser.add_argument(
         "--muse-dir", type=Path, help="MUSE-News in the hub's layout (for --bench muse; default: ../shared)"
-    )
-    parser.add_argument("--fast", action="store_true", help="the ≤ 2 minute variant (tests)")
-    parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
-    parser.add_argument(
-        "--spans", type=Path, help="forget05 span annotations, TPO-style or this project's (for --data tofu)"
     )
     parser.add_argument(
         "--methods", nargs="+", choices=list(METHODS), help="unlearning methods to run (default: the table's)"
     )
-    parser.add_argument("--run", help="results/<run>/ (default: data name, + '-fast')")
-    parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
-    args = parser.parse_args(argv)
-    if args.data == "tofu":
-        if not args.tofu_dir:
-            parser.error("--data tofu needs --tofu-dir (make demo DATA=tofu TOFU_DIR=...)")
-        args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
+    args = parse_tofu_arguments(parser, argv, "")
+    methods = tuple(args.methods) if args.methods else None
     if args.bench == "muse":
         muse_dir = args.muse_dir or PROJECT_ROOT.parent / "shared" / "data" / "muse_news"
-        run_muse(
-            "fast" if args.fast else "full",
-            args.results / (args.run or "muse" + ("-fast" if args.fast else "")),
-            args.results / ".cache",
-            args.seed,
-            muse_dir,
-            args.jobs,
-            tuple(args.methods) if args.methods else None,
-        )
+        run_dir = args.results / (args.run or "muse" + ("-fast" if args.fast else ""))
+        run_muse(args.size, run_dir, args.results / ".cache", args.seed, muse_dir, args.jobs, methods)
         return
-    run_name = args.run or args.data + ("-fast" if args.fast else "")
     run(
         args.data,
-        "fast" if args.fast else "full",
-        args.results / run_name,
+        args.size,
+        args.run_dir,
         args.results / ".cache",
         args.seed,
         args.tofu_dir,
         args.spans,
         args.jobs,
-        tuple(args.methods) if args.methods else None,
+        methods,
     )
 
 

@@ -5,6 +5,21 @@ Adding a method to the side-by-side is one entry here (plus, for a new trainer, 
 
 from dataclasses import dataclass, field
 
+import numpy
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A method's own hyperparameter that the demo's equal-budget grid tunes besides the learning rate.
+
+    name: as the report lists it; key: the Hydra override that sets it; values: the grid, its stock value
+    included.
+    """
+
+    name: str
+    key: str
+    values: tuple[float, ...]
+
 
 @dataclass(frozen=True)
 class Method:
@@ -22,6 +37,8 @@ class Method:
     in_fast_demo: run by `make demo FAST=1` (and so by `make test`).
     muse_experiment: the experiment config it runs on MUSE; None: not offered on MUSE here (the MUSE demo and
         recipe leave it out).
+    knob: its own hyperparameter in the equal-budget grid (learning rates x knob values); None: it has none
+        besides the learning rate, and gets as many runs on a finer learning-rate grid instead.
     """
 
     trainer: str
@@ -34,12 +51,22 @@ class Method:
     side_by_side: bool = True
     in_fast_demo: bool = False
     muse_experiment: str | None = "unlearn/muse/default"
+    knob: Knob | None = None
+
+
+KNOB_VALUES = 3  # values per knob: the same for every method, so every method gets the same number of runs
+
+
+def method_arg(name: str, *values: float) -> Knob:
+    return Knob(name, f"trainer.method_args.{name}", values)
 
 
 # The paper's Table 1, in its order.
 METHODS: dict[str, Method] = {
+    # Knob grids bracket each config's value (GradDiff alpha 1, DPO and NPO beta 0.1, SimNPO beta 4.5, PDU's
+    # retain NLL bound 0.3, TPO beta 0.32, PALU lambda 1: the paper's lambda grid is {1, 2, 5, 10}).
     "GradAscent": Method("GradAscent"),
-    "GradDiff": Method("GradDiff"),
+    "GradDiff": Method("GradDiff", knob=method_arg("alpha", 0.5, 1.0, 2.0)),
     # DPO with "I don't know" as the preferred answer; not in the bench (its forget rows are answer pairs).
     "DPO": Method(
         "DPO",
@@ -47,9 +74,10 @@ METHODS: dict[str, Method] = {
         uses_idk_answers=True,
         bench_variants={},
         muse_experiment=None,  # no local "I don't know" set for raw text
+        knob=method_arg("beta", 0.05, 0.1, 0.5),
     ),
-    "NPO": Method("NPO", in_fast_demo=True),
-    "SimNPO": Method("SimNPO"),
+    "NPO": Method("NPO", in_fast_demo=True, knob=method_arg("beta", 0.05, 0.1, 0.5)),
+    "SimNPO": Method("SimNPO", knob=method_arg("beta", 2.5, 4.5, 6.5)),
     # The framework's community/methods/PDU/run.sh "final best parameters" for TOFU (retain_loss_eps has no
     # default): primal-dual on, retain preference 100, retain NLL bound 0.3, dual step 5, 5 warm-up epochs.
     "PDU": Method(
@@ -61,9 +89,15 @@ METHODS: dict[str, Method] = {
             "trainer.method_args.dual_step_size=5",
             "trainer.method_args.dual_warmup_epochs=5",
         ),
+        knob=method_arg("retain_loss_eps", 0.1, 0.3, 1.0),
     ),
     "TPO": Method(
-        "TPO", tofu_experiment="unlearn/tofu/tpo", uses_spans=True, in_fast_demo=True, muse_experiment=None
+        "TPO",
+        tofu_experiment="unlearn/tofu/tpo",
+        uses_spans=True,
+        in_fast_demo=True,
+        muse_experiment=None,
+        knob=method_arg("beta", 0.1, 0.32, 1.0),
     ),
     "PALU": Method(
         "PALU",
@@ -76,6 +110,7 @@ METHODS: dict[str, Method] = {
         },
         in_fast_demo=True,
         muse_experiment="unlearn/muse/palu",
+        knob=Knob("lambda", "trainer.method_args.kl_weight", (1.0, 2.0, 5.0)),
     ),
     # The released code's loss (configs/trainer/PALU_release.yaml): run by name, `--methods PALU_release`.
     "PALU_release": Method(
@@ -112,3 +147,29 @@ def muse_overrides(name: str) -> list[str]:
     if method.muse_experiment is None:
         raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
     return [f"experiment={method.muse_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
+
+
+def tuning_grid(
+    name: str, learning_rates: tuple[float, ...], tune_knobs: bool
+) -> list[tuple[float, dict, tuple[str, ...]]]:
+    """Every run method `name` gets: (learning rate, the report's params, extra overrides) per run.
+
+    Without `tune_knobs`, the learning rates alone. With it, learning rates x the knob's values; a method
+    without a knob gets as many runs on a finer learning-rate grid over the same range (log-spaced), so that
+    every method has the same budget.
+    """
+    knob = METHODS[name].knob
+    if not tune_knobs:
+        return [(rate, {"lr": rate}, ()) for rate in learning_rates]
+    if knob is None:
+        runs = len(learning_rates) * KNOB_VALUES
+        low, high = min(learning_rates), max(learning_rates)
+        if low == high:
+            low, high = low / 2, high * 2
+        rates = [float(f"{rate:.2g}") for rate in numpy.geomspace(low, high, runs)]
+        return [(rate, {"lr": rate}, ()) for rate in rates]
+    return [
+        (rate, {"lr": rate, knob.name: value}, (f"{knob.key}={value}",))
+        for rate in learning_rates
+        for value in knob.values
+    ]

@@ -12,21 +12,30 @@ baselines keep the framework's method arguments (PDU: its community run.sh value
 
 import argparse
 import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS, muse_overrides, side_by_side_methods, tofu_overrides
+from palu_trainer.experiments.ablation import AXES, METHOD
+from palu_trainer.experiments.methods import (
+    METHODS,
+    muse_overrides,
+    side_by_side_methods,
+    tofu_overrides,
+    tuning_grid,
+)
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.plugin import write_accelerate_config
 
 GLOBAL_BATCH = 32
+PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
 SPLITS = {"01": ("forget01", "retain99", "holdout01"), "05": ("forget05", "retain95", "holdout05"),
           "10": ("forget10", "retain90", "holdout10")}  # fmt: skip
@@ -44,6 +53,8 @@ class RecipeSettings:
     model_dir: str | None = None
     retain_logs: str | None = None
     idk_answers: str | None = None
+    variant: tuple[tuple[str, str], ...] = ()  # (name, value) of a tuned knob or an ablation point
+    extra: tuple[str, ...] = ()  # the variant's overrides, last on the unlearning command line
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -53,7 +64,13 @@ class RecipeSettings:
         suffix = f"_lr{self.learning_rate}" + (
             f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         )
-        return f"{self.task_prefix}_{method}{suffix}"
+        variant = "".join(f"_{name}{value}" for name, value in self.variant)
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.task_prefix}_{method}{suffix}{variant}")
+
+    def params(self, method: str) -> dict:
+        """The report's hyperparameters of this run of `method`."""
+        kl_weight = {"lambda": self.kl_weight} if METHODS[method].kl_weight_key else {}
+        return {"lr": self.learning_rate, **kl_weight, **dict(self.variant)}
 
     @property
     def task_prefix(self) -> str:
@@ -94,6 +111,11 @@ class RecipeSettings:
     def data_overrides(self) -> list[str]:
         forget, retain, holdout = self.splits
         return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
+
+    def metric_overrides(self) -> list[str]:
+        """The paper's Table 1 and 2 metrics beyond the stock evaluation (fluency where its classifier is
+        cached)."""
+        return report.paper_metric_overrides(report.fluency_classifier_available(), cuda=True)
 
     def eval_overrides(self) -> list[str]:
         forget, _, holdout = self.splits
@@ -159,6 +181,9 @@ class MuseRecipe(RecipeSettings):
     def eval_overrides(self) -> list[str]:
         return ["experiment=eval/muse/default", f"data_split={self.forget}"]
 
+    def metric_overrides(self) -> list[str]:
+        return []
+
     def dataset_problems(self, environ) -> list[str]:
         hub_id = f"muse-bench/MUSE-{self.forget}"
         if self.forget == "News" and environ.get("MUSE_DIR"):
@@ -207,7 +232,7 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
         command.append(f"{METHODS[method].kl_weight_key}={run.kl_weight}")
     if METHODS[method].uses_idk_answers:
         command.append(f"idk_path={run.idk_answers_path}")
-    return command
+    return [*command, *run.extra]
 
 
 def eval_command(run: RecipeSettings, method: str) -> list[str]:
@@ -218,6 +243,7 @@ def eval_command(run: RecipeSettings, method: str) -> list[str]:
         eval_experiment,
         f"model={run.model}",
         *data,
+        *run.metric_overrides(),
         f"task_name={run.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
@@ -279,47 +305,76 @@ def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
         return False
 
 
-def plan(run: RecipeSettings, methods: list[str], accelerate_config: Path) -> list[tuple[str, list[str]]]:
+def method_runs(run: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
+    """(method, settings) of every run. `tune`: the equal budget, the paper's learning rates x the method's
+    knob (methods.Knob; PALU's is λ); a method without a knob gets as many learning rates."""
+    runs = []
+    for method in methods:
+        if not tune:
+            runs.append((method, run))
+            continue
+        for rate, params, extra in tuning_grid(method, PAPER_LEARNING_RATES, tune_knobs=True):
+            knob = METHODS[method].knob
+            if knob and knob.key == METHODS[method].kl_weight_key:
+                tuned = replace(run, kl_weight=f"{params[knob.name]:g}")
+            else:
+                variant = tuple((name, f"{value:g}") for name, value in params.items() if name != "lr")
+                tuned = replace(run, variant=variant, extra=extra)
+            runs.append((method, replace(tuned, learning_rate=f"{rate:g}")))
+    return runs
+
+
+def ablation_runs(run: RecipeSettings, axis: str) -> list[tuple[str, RecipeSettings]]:
+    """PALU at every point of one of the paper's ablation axes (experiments.ablation.AXES)."""
+    return [
+        (METHOD, replace(run, variant=((axis, label),), extra=overrides))
+        for label, overrides in AXES[axis].points.items()
+    ]
+
+
+def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
     port = _free_port()
     steps = []
-    for method in methods:
-        steps.append((f"{method}: unlearn", unlearn_command(run, method, accelerate_config, port)))
-        steps.append((f"{method}: {run.benchmark} evaluation", eval_command(run, method)))
+    for method, run in runs:
+        title = run.task_name(method)
+        steps.append((f"{title}: unlearn", unlearn_command(run, method, accelerate_config, port)))
+        steps.append((f"{title}: {run.benchmark} evaluation", eval_command(run, method)))
     return steps
 
 
 def write_comparison(
-    run: RecipeSettings, methods: list[str], wall_times: dict[str, float], out_dir: Path
+    runs: list[tuple[str, RecipeSettings]], wall_times: dict[str, float], out_dir: Path
 ) -> dict:
-    """One table, JSON and utility-vs-FQ plot of the methods' evaluations (experiments.report)."""
+    """One table, JSON and utility-vs-FQ plot of the runs' evaluations (experiments.report); `wall_times`:
+    unlearning seconds by task name."""
+    run = runs[0][1]
     references = {
         "Original": report.run_from_eval(run.original_logs_path, scorecard=run.scorecard),
         "Retain": report.run_from_eval(run.retain_logs_path, scorecard=run.scorecard),
     }
     if run.scorecard is report.TOFU:
         references["Retain"].metrics["forget_quality"] = 1.0  # a KS test of Retain against itself
-    grids = {
-        method: [
-            report.run_from_eval(
-                run.eval_path(method),
-                wall_times.get(method),
-                {
-                    "lr": run.learning_rate,
-                    **({"lambda": run.kl_weight} if METHODS[method].kl_weight_key else {}),
-                },
-                run.scorecard,
-            )
-        ]
-        for method in methods
-    }
+    grids = {}
+    for method, settings in runs:
+        evaluated = report.run_from_eval(
+            settings.eval_path(method),
+            wall_times.get(settings.task_name(method)),
+            settings.params(method),
+            run.scorecard,
+        )
+        grids.setdefault(method, []).append(evaluated)
     forget, retain, _ = run.splits
     title = f"TOFU {forget}" if run.scorecard is report.TOFU else run.describe()
+    budget = ", ".join(f"{method} {len(evaluated)}" for method, evaluated in grids.items())
     return report.write_report(
         out_dir,
         references,
         grids,
-        title=f"{title}: {', '.join(methods)} on {run.model}",
-        notes=[f"Retain: {run.retain_logs_path} ({retain}); Original: {run.original_logs_path}."],
+        title=f"{title}: {', '.join(grids)} on {run.model}",
+        notes=[
+            f"Retain: {run.retain_logs_path} ({retain}); Original: {run.original_logs_path}.",
+            f"Runs per method: {budget} (hyperparameters in the table of every run).",
+        ],
         scorecard=run.scorecard,
     )
 
@@ -354,8 +409,18 @@ def main(argv=None) -> None:
         "--idk-answers", default=os.environ.get("IDK_ANSWERS") or None, help="DPO's idk.jsonl"
     )
     parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="equal budget: every method at the paper's learning rates x its own knob (methods.Knob)",
+    )
+    parser.add_argument(
+        "--ablation", choices=list(AXES), help="PALU at every point of one of the paper's ablation axes"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
+    if args.ablation and (args.tune or args.methods != ["PALU"]):
+        parser.error("--ablation runs PALU's points alone: no --tune, no --methods")
     if "side-by-side" in args.methods:
         args.methods = list(side_by_side_methods(bench=args.bench))
     import torch
@@ -369,8 +434,14 @@ def main(argv=None) -> None:
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
-    steps = plan(run, args.methods, accelerate_config)
-    print(f"plan: {run.describe()}, {model}, {gpus} GPU(s), {', '.join(args.methods)}")
+    if args.ablation:
+        runs = ablation_runs(run, args.ablation)
+        what = f"PALU ablation, {AXES[args.ablation].title}"
+    else:
+        runs = method_runs(run, args.methods, args.tune)
+        what = ", ".join(args.methods) + (" (lr x knob grid)" if args.tune else "")
+    steps = plan(runs, accelerate_config)
+    print(f"plan: {run.describe()}, {model}, {gpus} GPU(s), {what}: {len(runs)} runs")
     for title, command in steps:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
@@ -401,7 +472,7 @@ def main(argv=None) -> None:
         if title.endswith("unlearn"):
             wall_times[title.split(":")[0]] = seconds
     if args.report:
-        for label, path in write_comparison(run, args.methods, wall_times, args.report).items():
+        for label, path in write_comparison(runs, wall_times, args.report).items():
             print(f"{label}: {path}")
 
 

@@ -39,7 +39,38 @@ EVAL_KEYS = {
     "retain_rouge": "retain_Q_A_ROUGE",
     "retain_prob": "retain_Q_A_Prob",
     "retain_truth_ratio": "retain_Truth_Ratio",
+    "exact_memorization": "exact_memorization",
+    "forget_truth_ratio": "forget_truth_ratio",
+    "ra_truth_ratio": "ra_Truth_Ratio",
+    "wf_truth_ratio": "wf_Truth_Ratio",
+    "fluency": "forget_Q_A_gibberish",
+    "mia_loss": "mia_loss",
+    "mia_zlib": "mia_zlib",
+    "mia_min_k": "mia_min_k",
+    "mia_min_k_plus_plus": "mia_min_k_plus_plus",
 }
+# The paper's Table 1 (utility, memorization, truth ratios) and Table 2 (MIA AUCs, forget vs holdout).
+PAPER_TABLE_1 = (
+    ("forget_quality", "FQ ↑", "{:.3g}"),
+    ("model_utility", "MU ↑", "{:.3f}"),
+    ("exact_memorization", "EM ↓", "{:.3f}"),
+    ("forget_truth_ratio", "TR forget", "{:.3f}"),
+    ("retain_truth_ratio", "TR retain", "{:.3f}"),
+    ("ra_truth_ratio", "TR real authors", "{:.3f}"),
+    ("wf_truth_ratio", "TR world facts", "{:.3f}"),
+    ("fluency", "fluency ↑", "{:.3f}"),
+)
+PAPER_TABLE_2 = (
+    ("mia_loss", "LOSS", "{:.3f}"),
+    ("mia_zlib", "ZLib", "{:.3f}"),
+    ("mia_min_k", "Min-K", "{:.3f}"),
+    ("mia_min_k_plus_plus", "Min-K++", "{:.3f}"),
+)
+# The stock TOFU metrics that the paper's tables add to the framework's default evaluation (which leaves them
+# commented out in configs/eval/tofu.yaml); fluency's classifier comes from the hub.
+PAPER_METRICS = ("exact_memorization", "mia_loss", "mia_zlib", "mia_min_k", "mia_min_k_plus_plus")
+FLUENCY_METRIC = "forget_Q_A_gibberish"
+FLUENCY_CLASSIFIER = "madhurjindal/autonlp-Gibberish-Detector-492513457"
 UTILITY_FLOOR = 0.8
 FQ_FLOOR = 1e-30
 SELECTION_RULE = (
@@ -105,6 +136,14 @@ class Scorecard:
     title: str
     plot_file: str
     log_y: bool
+    paper_tables: tuple = ()  # (heading, columns, note) of the paper's further tables
+
+    def paper_sections(self, rows: Mapping[str, EvaluatedModel]) -> list[str]:
+        """The report's Markdown sections with the paper's further tables of `rows`."""
+        lines = []
+        for heading, columns, note in self.paper_tables:
+            lines += [f"## {heading}", "", table(rows, columns, details=False), "", note, ""]
+        return lines
 
     def forgetting_score(self, run: EvaluatedModel) -> float:
         value = run.metrics[self.forgetting]
@@ -128,6 +167,23 @@ TOFU = Scorecard(
     title="Retain utility vs forget quality (faint: other learning rates)",
     plot_file="mu_vs_fq.png",
     log_y=True,
+    paper_tables=(
+        (
+            "The paper's Table 1: utility, memorization, truth ratios",
+            PAPER_TABLE_1,
+            "MU: the stock model utility (see above). EM: exact memorization of the forget answers. TR: the "
+            "stock truth ratio (forget: closer to 1 is better; the others: higher is better). Fluency: the "
+            f"stock `{FLUENCY_METRIC}` metric, whose classifier ({FLUENCY_CLASSIFIER}) comes from the hub: "
+            "'needs hub' offline; where it is in the Hugging Face cache the evaluation adds the metric and "
+            "the column fills in.",
+        ),
+        (
+            "The paper's Table 2: membership inference AUCs, forget vs holdout",
+            PAPER_TABLE_2,
+            "Each attack scores the forget and holdout rows; the AUC of telling them apart. 0.5: the model "
+            "treats the forgotten rows as never seen, like Retain; near 1: it still remembers them.",
+        ),
+    ),
 )
 MUSE = Scorecard(
     columns=(
@@ -186,9 +242,27 @@ def select_run(
     return max(runs, key=lambda run: run.metrics[scorecard.utility] or 0.0)
 
 
-def format_value(value, pattern: str) -> str:
+def paper_metric_overrides(fluency: bool, cuda: bool) -> list[str]:
+    """Hydra overrides adding the paper's metrics to a TOFU evaluation; `fluency` when its classifier is
+    available (it runs on CUDA unless `cuda` is false)."""
+    overrides = [f"+eval/tofu_metrics@eval.tofu.metrics.{name}={name}" for name in PAPER_METRICS]
+    if fluency:
+        overrides.append(f"+eval/tofu_metrics@eval.tofu.metrics.{FLUENCY_METRIC}={FLUENCY_METRIC}")
+        if not cuda:
+            overrides.append(f"eval.tofu.metrics.{FLUENCY_METRIC}.device=cpu")
+    return overrides
+
+
+def fluency_classifier_available() -> bool:
+    """Whether the fluency classifier is in the Hugging Face cache (nothing is downloaded to find out)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(FLUENCY_CLASSIFIER, "config.json"), str)
+
+
+def format_value(value, pattern: str, missing: str = "—") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
+        return missing
     return pattern.format(value)
 
 
@@ -196,13 +270,26 @@ def format_params(params: Mapping) -> str:
     return ", ".join(f"{key}={value}" for key, value in params.items())
 
 
-def table(rows: Mapping[str, EvaluatedModel], columns: Sequence = COLUMNS) -> str:
-    headers = ["model", *(header for _, header, _ in columns), "wall time", "hyperparameters"]
+def table(
+    rows: Mapping[str, EvaluatedModel],
+    columns: Sequence = COLUMNS,
+    first_header: str = "model",
+    details: bool = True,
+) -> str:
+    """A Markdown table of `rows` (label -> run); `details`: wall time and hyperparameters columns too."""
+    headers = [first_header, *(header for _, header, _ in columns)]
+    headers += ["wall time", "hyperparameters"] if details else []
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for name, run in rows.items():
-        cells = [format_value(run.metrics.get(key), pattern) for key, _, pattern in columns]
-        wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
-        lines.append("| " + " | ".join([name, *cells, wall, format_params(run.params)]) + " |")
+        # fluency is absent offline, and says why instead of a bare dash
+        missing = {"fluency": "needs hub"}
+        cells = [
+            format_value(run.metrics.get(key), pattern, missing.get(key, "—")) for key, _, pattern in columns
+        ]
+        if details:
+            wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
+            cells += [wall, format_params(run.params)]
+        lines.append("| " + " | ".join([name, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -285,6 +372,7 @@ def write_report(
         "Wall time: the run that made the model (finetuning or unlearning), without its evaluation.",
         *[f"\n{note}" for note in notes],
         "",
+        *scorecard.paper_sections({**references, **ranked}),
         "## Every run",
         "",
         table(all_runs, scorecard.columns),

@@ -1,0 +1,302 @@
+"""`make ablation`: the paper's PALU ablations (its Figure 4 and strategy tables) on the offline miniature.
+
+One axis at a time, the others at PALU's defaults: every point unlearns the demo's cached Original with
+PALU plus the point's overrides, is evaluated with the stock TOFU evaluator (with the paper's extra
+metrics), and lands in a bar chart (forget quality on a log left axis, retain utility on the right,
+Original and Retain as lines) and a table per axis, in results/ablation/. Points with the same overrides
+(every axis's default point, N=All and "all tokens") run once.
+"""
+
+import argparse
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+from palu_trainer.experiments import report
+from palu_trainer.experiments.demo import (
+    SIZES,
+    add_tofu_arguments,
+    parse_tofu_arguments,
+    start_run,
+    tofu_miniature,
+)
+from palu_trainer.framework.plugin import trainer_config
+from palu_trainer.method.losses import resolve_top_k
+
+METHOD = "PALU"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One ablation: its title, its points (label -> overrides; () is PALU's defaults) and the default's
+    label."""
+
+    title: str
+    points: dict[str, tuple[str, ...]]
+    default: str
+
+
+def top_k(value: str) -> tuple[str, ...]:
+    return (f"trainer.method_args.top_k={value}",)
+
+
+def initiating(strategy: str, **values) -> tuple[str, ...]:
+    return (f"initiating_strategy={strategy}", *(f"{key}={value}" for key, value in values.items()))
+
+
+# THE table of the paper's axes. K: shares of |V| matching the paper's values on Llama-2 (1, 1000, 5000,
+# 10000 of 32000); N and the strategy belong to the forget dataset (the experiment's top-level keys).
+AXES = {
+    "k": Axis(
+        "K: the reference's top-K logits flattened (share of |V|, as the paper's values on Llama-2)",
+        {
+            "1": top_k("1"),
+            "1k/32k": top_k("0.03125"),
+            "5k/32k": (),
+            "10k/32k": top_k("0.3125"),
+            "all": top_k("all"),
+        },
+        default="5k/32k",
+    ),
+    "n": Axis(
+        "N: initiating tokens per span",
+        {
+            "1": ("num_initiating_tokens=1",),
+            "2": ("num_initiating_tokens=2",),
+            "3": (),
+            "4": ("num_initiating_tokens=4",),
+            "All": initiating("all"),
+        },
+        default="3",
+    ),
+    "c": Axis(
+        "c: the target of the local entropy loss",
+        {
+            "uniform": ("trainer.method_args.target=uniform",),
+            "topk_mean": ("trainer.method_args.target=topk_mean",),
+            "ref_mean": ("trainer.method_args.target=ref_mean",),
+            "global_mean": (),
+        },
+        default="global_mean",
+    ),
+    "strategy": Axis(
+        "strategy: which tokens of each span initiate",
+        {
+            "first 3": (),
+            "random 3": initiating("random_n", num_initiating_tokens=3),
+            "all tokens": initiating("all"),
+            "first 25%": initiating("ratio", initiating_ratio=0.25),
+            "first 50%": initiating("ratio", initiating_ratio=0.5),
+            "first 100%": initiating("ratio", initiating_ratio=1.0),
+        },
+        default="first 3",
+    ),
+}
+
+
+def run_name(overrides: tuple[str, ...]) -> str:
+    """A point's run folder, from its overrides: PALU_default, PALU_top_k-0.03125, ..."""
+    if not overrides:
+        return f"{METHOD}_default"
+    values = "_".join(
+        f"{key.rsplit('.', 1)[-1]}-{value}"
+        for key, value in (override.split("=", 1) for override in overrides)
+    )
+    return f"{METHOD}_" + re.sub(r"[^A-Za-z0-9._]+", "-", values)
+
+
+def run_point(mini, overrides: tuple[str, ...], learning_rate: float) -> report.EvaluatedModel:
+    """Unlearn and evaluate one point; a failed run becomes a row that names its log instead of numbers."""
+    name = run_name(overrides)
+    params = {"lr": learning_rate, "overrides": " ".join(overrides) or "PALU defaults"}
+    try:
+        eval_json, seconds = mini.unlearn_and_evaluate(METHOD, learning_rate, overrides, name)
+    except RuntimeError as error:
+        mini.demo.progress.say(f"{name} failed: {str(error).splitlines()[0]}")
+        return report.EvaluatedModel({}, None, {**params, "error": f"logs/unlearn_{name}.log"})
+    return report.run_from_eval(eval_json, seconds, params)
+
+
+def rendered_point(
+    mini, overrides: tuple[str, ...], learning_rate: float, stage_times: dict
+) -> report.EvaluatedModel:
+    """`--render`: the point's evaluation from an earlier (maybe stopped) run, or a row saying it has none;
+    `stage_times`: that run's, for the wall time."""
+    name = run_name(overrides)
+    params = {"lr": learning_rate, "overrides": " ".join(overrides) or "PALU defaults"}
+    eval_json = mini.demo.run_dir / "evals" / name / mini.demo.eval_file
+    if not eval_json.is_file():
+        return report.EvaluatedModel({}, None, {**params, "error": f"not evaluated: no {eval_json}"})
+    return report.run_from_eval(eval_json, stage_times.get(f"unlearn {name}"), params)
+
+
+def plot_axis(path: Path, axis: Axis, points: dict[str, report.EvaluatedModel], references) -> None:
+    """The paper's Figure 4: FQ bars on a log left axis, retain utility bars on the right axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(points)
+    ran = {x: run for x, run in enumerate(points.values()) if run.metrics}
+    quality = [max(run.metrics["forget_quality"] or 0.0, report.FQ_FLOOR) for run in ran.values()]
+    utility = [run.metrics["retain_utility"] or 0.0 for run in ran.values()]
+    figure, fq_axes = plt.subplots(figsize=(max(6.5, 1.3 * len(labels) + 2), 5))
+    utility_axes = fq_axes.twinx()
+    width = 0.38
+    fq_axes.bar([x - width / 2 for x in ran], quality, width, color="tab:blue", label="forget quality (left)")
+    utility_axes.bar(
+        [x + width / 2 for x in ran], utility, width, color="tab:orange", label="retain utility (right)"
+    )
+    for name, style in (("Original", ":"), ("Retain", "--")):
+        metrics = references[name].metrics
+        fq_axes.axhline(max(metrics["forget_quality"], report.FQ_FLOOR), color="tab:blue", ls=style, lw=1.2)
+        utility_axes.axhline(metrics["retain_utility"], color="tab:orange", ls=style, lw=1.2)
+        fq_axes.plot([], [], color="gray", ls=style, label=f"{name} (blue: FQ, orange: utility)")
+    original_quality = max(references["Original"].metrics["forget_quality"], report.FQ_FLOOR)
+    bottom = min([*quality, original_quality]) / 10
+    fq_axes.set_yscale("log")
+    fq_axes.set_ylim(bottom=bottom, top=3)
+    for x, run in enumerate(points.values()):
+        if not run.metrics:
+            fq_axes.text(x, bottom * 3, "no result:\nsee table", ha="center", fontsize=8, color="red")
+    utility_axes.set_ylim(0, 1.05)
+    ticks = [f"{label}\n(default)" if label == axis.default else label for label in labels]
+    fq_axes.set_xticks(range(len(labels)), ticks)
+    fq_axes.set_ylabel("forget quality (log)")
+    utility_axes.set_ylabel("retain utility")
+    fq_axes.set_title(f"PALU ablation — {axis.title}", fontsize=10)
+    handles = [*fq_axes.get_legend_handles_labels()[0], *utility_axes.get_legend_handles_labels()[0]]
+    figure.legend(handles=handles, fontsize=8, loc="lower center", ncol=2)
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_axis(out_dir: Path, name: str, axis: Axis, points, references, notes) -> dict[str, Path]:
+    """`<name>.md` (the demo's columns and the paper's Tables 1 and 2) and `<name>.png`."""
+    rows = {**references, **{f"{name}={label}": run for label, run in points.items()}}
+    markdown = [
+        f"# PALU ablation — {axis.title}",
+        "",
+        f"Default point: {axis.default}.",
+        "",
+        report.table(rows, first_header="point"),
+        "",
+        *report.TOFU.paper_sections(rows),
+        *(
+            f"- {label}: no result ({run.params['error']})"
+            for label, run in points.items()
+            if not run.metrics
+        ),
+        *notes,
+        "",
+        f"![{axis.title}]({name}.png)",
+        "",
+    ]
+    paths = {"table": out_dir / f"{name}.md", "chart": out_dir / f"{name}.png"}
+    paths["table"].write_text("\n".join(markdown), encoding="utf-8")
+    plot_axis(paths["chart"], axis, points, references)
+    return paths
+
+
+def run(args, axes: dict[str, Axis]) -> dict[str, dict[str, Path]]:
+    size = SIZES[args.size]
+    distinct = list(dict.fromkeys(overrides for axis in axes.values() for overrides in axis.points.values()))
+    progress = start_run("tofu", args.data, args.size, args.run_dir, 2 * len(distinct))
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        mini = tofu_miniature(
+            args.data, size, args.run_dir, args.results / ".cache", args.seed, progress, pool, args.tofu_dir,
+            args.spans,
+        )  # fmt: skip
+        if args.render:
+            earlier = args.run_dir / "ablation.json"
+            stage_times = json.loads(earlier.read_text())["stage_times_s"] if earlier.is_file() else {}
+            point = partial(rendered_point, stage_times=stage_times)
+        else:
+            stage_times, point = {}, run_point
+        jobs = {overrides: pool.submit(point, mini, overrides, args.lr) for overrides in distinct}
+        results = {overrides: job.result() for overrides, job in jobs.items()}
+        references = mini.references()
+    stock_top_k = OmegaConf.select(trainer_config(METHOD), "method_args.top_k")
+    # an override's value as Hydra reads it: "1" is the integer K=1, "0.03125" a share of |V|
+    k_values = {
+        label: yaml.safe_load(o[0].split("=")[1]) if o else stock_top_k
+        for label, o in AXES["k"].points.items()
+    }
+    resolved = ", ".join(f"{label} -> K={resolve_top_k(v, mini.vocab_size)}" for label, v in k_values.items())
+    notes = [
+        *mini.notes,
+        f"Every point: PALU at lr {args.lr:g}, {size.unlearn_epochs} epochs, stock PALU config plus the "
+        "point's overrides (hyperparameters column).",
+        f"K on this {mini.vocab_size}-token vocabulary: {resolved}.",
+        f"Charts: forget quality (KS p-value against Retain) on a log axis, values below {report.FQ_FLOOR:g} "
+        "drawn at it; dotted lines Original, dashed Retain."
+        + (" Rendered from the evaluations on disk." if args.render else ""),
+    ]
+    paths, summary = {}, {"references": {n: vars(r) for n, r in references.items()}, "axes": {}}
+    for name, axis in axes.items():
+        points = {label: results[overrides] for label, overrides in axis.points.items()}
+        paths[name] = write_axis(args.run_dir, name, axis, points, references, notes)
+        summary["axes"][name] = {
+            "title": axis.title,
+            "default": axis.default,
+            "points": {label: vars(run) for label, run in points.items()},
+        }
+    summary["vocab_size"] = mini.vocab_size
+    summary["wall_time_s"] = round(time.monotonic() - progress.start, 1)
+    summary["stage_times_s"] = {**stage_times, **progress.stage_times}
+    (args.run_dir / "ablation.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    progress.say(f"done in {summary['wall_time_s']:.0f} s")
+    for name, axis_paths in paths.items():
+        for path in axis_paths.values():
+            print(f"{name}: {path}")
+    return paths
+
+
+def parse_point(text: str) -> tuple[str, tuple[str, ...]]:
+    label, separator, overrides = text.partition("=")
+    if not separator or "=" not in overrides:
+        raise argparse.ArgumentTypeError(f"--point {text!r}: expected LABEL=KEY=VALUE[,KEY=VALUE...]")
+    return label, tuple(overrides.split(","))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m palu_trainer.experiments.ablation", description=__doc__.splitlines()[0]
+    )
+    add_tofu_arguments(parser)
+    parser.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
+    parser.add_argument("--lr", type=float, default=1e-3, help="PALU's learning rate at every point")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="no unlearning: charts and tables from the evaluations already in the run folder (a stopped "
+        "sweep); points without one are marked",
+    )
+    parser.add_argument(
+        "--point",
+        type=parse_point,
+        action="append",
+        help="replace the points of the one axis given with --axes: LABEL=KEY=VALUE[,KEY=VALUE...] "
+        "(repeat; the first is drawn as the default)",
+    )
+    args = parse_tofu_arguments(parser, argv, "ablation")
+    axes = {name: AXES[name] for name in args.axes}
+    if args.point:
+        if len(axes) != 1:
+            parser.error("--point replaces the points of one axis: give exactly one with --axes")
+        ((name, axis),) = axes.items()
+        axes = {name: Axis(f"{axis.title.split(':')[0]}: custom points", dict(args.point), args.point[0][0])}
+    run(args, axes)
+
+
+if __name__ == "__main__":
+    main()
