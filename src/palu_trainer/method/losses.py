@@ -421,30 +421,32 @@ class _KLToTopM(torch.autograd.Function):
     With q = softmax(z), Q = Σ_tail q, log p the cached top-m of log P_ref and log r its tail's:
     KL = Σ_top q_i·(log q_i − log p_i) + Q·(log Q − log r), the tail's term 0 when Q = 0.
     Each entry's gradient is q_j·(a_j − KL), a_j its bucket's log-ratio (log q_j − log p_j on the top,
-    log Q − log r on the tail), as the full KL's is with a_j = log q_j − log P_ref,j: exact on the top-m
-    and at P_θ = P_ref; later the tail's entries share one log-ratio, and the KL misses
-    Q·KL(P_θ,tail/Q ‖ P_ref,tail/r) ≥ 0.
+    log Q − log r on the tail), as the full KL's is with a_j = log q_j − log P_ref,j. Exact at P_θ = P_ref
+    and when m = V; otherwise the KL misses Q·KL(q̂ ‖ p̂) ≥ 0 (q̂, p̂ the tails normalised) and each row's
+    gradient is off by at most Q·(KL(q̂ ‖ p̂) + E_q̂|log q̂/p̂|) in L1.
     """
 
     @staticmethod
     def forward(ctx, logits, indices, log_probs, log_tail_mass):
+        # log q first and q = exp(log q), as `_KLToReference`, so that m = V gives its rounding too
         log_softmax = logits - logits.logsumexp(dim=-1, keepdim=True)
         softmax = log_softmax.exp()
         current_tail = softmax.scatter(-1, indices, 0.0).sum(dim=-1)
-        tail_ratio = current_tail.log() - log_tail_mass
+        tail_ratio = current_tail.log() - log_tail_mass  # NaN when m = V (no tail): overwritten below
+        top_ratio = log_softmax.gather(-1, indices) - log_probs
         # every entry starts as a tail entry; the top-m get their own log-ratio
-        log_ratio = tail_ratio.unsqueeze(-1).repeat(1, logits.shape[-1])
-        log_ratio.scatter_(-1, indices, log_softmax.gather(-1, indices) - log_probs)
-        top = torch.bmm(softmax.gather(-1, indices).unsqueeze(1), log_ratio.gather(-1, indices).unsqueeze(2))
-        per_row = top.view(-1) + torch.where(current_tail > 0, current_tail * tail_ratio, 0.0)
+        log_ratio = tail_ratio.unsqueeze(-1).repeat(1, logits.shape[-1]).scatter_(-1, indices, top_ratio)
+        top = (softmax.gather(-1, indices) * top_ratio).sum(dim=-1)
+        per_row = top + torch.where(current_tail > 0, current_tail * tail_ratio, 0.0)
         ctx.save_for_backward(softmax, log_ratio, per_row)
         return per_row
 
     @staticmethod
     def backward(ctx, grad_rows):
         softmax, log_ratio, per_row = ctx.saved_tensors
-        gradient = log_ratio.sub_(per_row.unsqueeze(-1)).mul_(softmax)
-        return gradient.nan_to_num_(0.0).mul_(grad_rows.unsqueeze(-1)), None, None, None
+        # an entry whose q underflowed to 0 in a tail of mass 0 has log-ratio -inf: its gradient is 0
+        gradient = log_ratio.sub_(per_row.unsqueeze(-1)).mul_(softmax).nan_to_num_(0.0)
+        return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None
 
 
 def common_kl_to_reference_top_m(
