@@ -2,17 +2,19 @@
 
 Run with `make bench`. Each method runs with its trainer config's stock `method_args` (plus its bench
 variants: PALU with the reference model and with the reference cache), on the same batches, on the preset
-`llama-1b-share` (V=128256 and a body sized so that the output projection takes Llama-3.2-1B's share of a
-step's matmul FLOPs; the issue's targets are checked there) or, with `--preset small`, the former bench
-model (V=32000). Also times PALU's loss alone against K on a 128k vocabulary.
+`llama-1b-share` (V=128256, 16 layers and a body sized so that the output projection takes Llama-3.2-1B's
+share of a step's matmul FLOPs, gradient checkpointing on for every method; the issue's targets are checked
+there) or, with `--preset small`, the former bench model (V=32000). Also times PALU's loss alone against K on
+a 128k vocabulary.
 
 Step time: methods run round-robin, `--steps-per-round` steps each per round, on one shared model and
 optimizer, so machine noise lands on every method of a round alike; a method's per-round time is the median
 of its steps, and the ratios to GradDiff and NPO are taken within each round, then reported as the median
-over rounds with their min-max. Peak memory: one fresh process per method and repeat builds the model and
-runs that method alone; on CUDA torch.cuda.max_memory_allocated, on CPU the process's peak RSS above its RSS
-after imports and data (activations included). PALU's reference cache lives in host memory by design and is
-also reported on its own.
+over rounds with their min-max. On CPU one torch thread by default (`--threads`): on a shared machine a
+second thread spins against other processes. Peak memory: one fresh process per method and repeat builds the
+model and runs that method alone; on CUDA torch.cuda.max_memory_allocated, on CPU the process's peak RSS above
+its RSS after imports and data (activations included). PALU's reference cache lives in host memory by design
+and is also reported on its own.
 """
 
 import argparse
