@@ -59,7 +59,7 @@ format:
 	$(PY) -m ruff format src tests scripts perf
 
 bench:
-	$(PY) perf/bench.py --out results/bench.json
+	$(PY) perf/bench.py $(if $(PRESET),--preset $(PRESET)) --out results/bench.json
 
 demo:
 	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS)) \

@@ -1,5 +1,6 @@
 """The method table is the only list: a new entry reaches the demo, the recipe and the bench."""
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -69,18 +70,24 @@ def test_bench_times_a_new_table_entry(with_wga, tmp_path):
         "1",
         "--batch-size",
         "2",
-        "--length",
-        "40",
+        "--prompt-length",
+        "12",
     ]
-    load_bench().main(
-        [*tiny, "--steps", "3", "--warmup", "1", "--top-k", "8", "--no-k-sweep", "--out", str(out)]
-    )
-    timed = json.loads(out.read_text())["methods"]
+    bench = load_bench()
+    arguments = [*tiny, "--rounds", "2", "--steps-per-round", "1", "--top-k", "8", "--no-k-sweep"]
+    bench.main([*arguments, "--memory-repeats", "0", "--out", str(out)])
+    timed = json.loads(out.read_text())["configs"]["custom"]["methods"]
     expected = ["GradAscent", "GradDiff", "NPO", "SimNPO", "PDU", "TPO", "PALU, reference model"]
     expected += ["PALU, reference cache", "WGA"]  # DPO's forget rows are answer pairs: not benched
     assert list(timed) == expected
-    assert all(result["step_s"] > 0 and result["steps_timed"] == 2 for result in timed.values())
+    assert all(len(result["round_step_s"]) == 2 and result["step_s"]["min"] > 0 for result in timed.values())
+    assert timed["GradDiff"]["step_vs_GradDiff"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert timed["PALU, reference cache"]["host_cache_bytes"] > 0 == timed["WGA"]["host_cache_bytes"]
+    # peak memory: a fresh process runs the new entry alone (one method: the whole table is `make bench`)
+    config = json.loads(out.read_text())["configs"]["custom"]["config"]
+    run = bench.bench_runs(8)["WGA"]
+    args = argparse.Namespace(memory_steps=1, threads=1, out=str(out))
+    assert bench.peak_memory("WGA", run, config, args) > 2**20
 
 
 def test_only_the_table_names_methods():

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
 
 from ..conftest import TAG_TEMPLATE
@@ -84,7 +85,31 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     cache = trainer.reference_cache
     assert sorted(cache.topk_indices) == [0, 1, 2]
     assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
-    assert cache.common_probs[0].shape[1] == trainer.model.config.vocab_size
+    assert (
+        cache.common_probs[0].shape[1]
+        == trainer.reference_cache_top_m
+        == 512
+        < trainer.model.config.vocab_size
+    )
+    positions = count_positions(item["token_roles"] for item in trainer.train_dataset.forget.items)
+    assert estimated_nbytes(*positions, 64, 512, torch.float32) == cache.nbytes
+
+
+def loss_and_gradients(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+def drift(*models, seed=0):
+    """The same parameter change on each model: the policy away from the reference, as after training."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameters in zip(*(model.parameters() for model in models)):
+            change = 0.05 * torch.randn(parameters[0].shape, generator=generator)
+            for parameter in parameters:
+                parameter.add_(change)
 
 
 RELEASE_FORM = {
@@ -97,12 +122,7 @@ RELEASE_FORM = {
 
 @pytest.mark.parametrize("form", ["paper", "release"])
 def test_cache_gives_the_uncached_loss_and_gradients(make_trainer, form):
-    def loss_and_gradients(trainer, batch):
-        trainer.model.zero_grad()
-        loss = trainer.compute_loss(trainer.model, batch)
-        loss.backward()
-        return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
-
+    """At step 0 the top-m form is exact: the reference is the policy, P_θ = P_ref."""
     method_args = RELEASE_FORM if form == "release" else {}
     policy = {"merge_adjacent_spans": True} if form == "release" else None
     cached = make_trainer(top_k=64, policy=policy, **method_args)
@@ -122,6 +142,52 @@ def test_cache_gives_the_uncached_loss_and_gradients(make_trainer, form):
     assert sorted(kept) == [0, 1, 2]  # log P_ref for KL(P_theta || P_ref), P_ref for the paper's direction
 
 
+@pytest.mark.parametrize("form", ["paper", "release"])
+def test_cache_with_all_entries_stays_exact_after_the_policy_moves(make_trainer, form):
+    """Past step 0 the top-m form is exact when m = |V| (no tail), in both KL directions."""
+    method_args = RELEASE_FORM if form == "release" else {}
+    policy = {"merge_adjacent_spans": True} if form == "release" else None
+    cached = make_trainer(top_k=64, reference_cache_top_m=10**6, policy=policy, **method_args)
+    uncached = make_trainer(top_k=64, reference_cache=False, policy=policy, **method_args)
+    assert cached.reference_cache_top_m == cached.model.config.vocab_size
+    batch = cached.data_collator([cached.train_dataset[i] for i in (0, 1, 2)])
+    cached.compute_loss(cached.model, batch)  # builds the cache from the step-0 weights
+    drift(cached.model, uncached.model)
+    cached_loss, cached_grads = loss_and_gradients(cached, batch)
+    uncached_loss, uncached_grads = loss_and_gradients(uncached, batch)
+    assert float(uncached._term_sums[1]) > 1e-3  # the KL term is not zero once the policy moved
+    torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-4, atol=0)
+    for name, gradient in uncached_grads.items():
+        torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("reference_cache", "form"), [(True, "paper"), (False, "paper"), (True, "release")])
+def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
+    make_trainer, reference_cache, form
+):
+    """Logits only at the loss positions, 2 positions per checkpointed chunk, against full logits."""
+    method_args = RELEASE_FORM if form == "release" else {}
+    policy = {"merge_adjacent_spans": True} if form == "release" else None
+    fast = make_trainer(top_k=64, reference_cache=reference_cache, policy=policy, **method_args)
+    full = make_trainer(top_k=64, reference_cache=reference_cache, policy=policy, **method_args)
+    full.projects_at_positions = False
+    assert fast.projects_at_positions and fast.logit_chunk_rows == 2048  # 2**22 logits of |V| = 2048
+    fast.logit_chunk_rows = 2
+    batch = fast.data_collator([fast.train_dataset[i] for i in (0, 1, 2)])
+    for trainer in (fast, full):
+        trainer.compute_loss(trainer.model, batch)
+    drift(fast.model, full.model, *(t.ref_model for t in (fast, full) if t.ref_model is not None))
+    drift(fast.model, full.model, seed=1)
+    fast_loss, fast_grads = loss_and_gradients(fast, batch)
+    full_loss, full_grads = loss_and_gradients(full, batch)
+    terms = [t._term_sums[:3] / t._term_batches for t in (fast, full)]
+    torch.testing.assert_close(*terms, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fast_loss, full_loss, rtol=1e-5, atol=0)
+    for name, gradient in full_grads.items():  # atol: 1e-5 of each gradient's scale (fp32 summation order)
+        scale = float(gradient.abs().max())
+        torch.testing.assert_close(fast_grads[name], gradient, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
 def test_cache_refuses_weights_past_the_first_step(make_trainer):
     trainer = make_trainer(top_k=64)
     trainer.state.global_step = 5
@@ -133,20 +199,27 @@ def test_cache_refuses_weights_past_the_first_step(make_trainer):
         trainer.compute_loss(trainer.model, batch)
 
 
-def test_cache_estimate_is_the_built_cache_and_auto_falls_back_above_the_budget(make_trainer, caplog):
-    from palu_trainer.method.reference_cache import estimated_nbytes
-
-    trainer = make_trainer(max_steps=1, top_k=64)
+@pytest.mark.parametrize("form", ["paper", "release"])
+def test_cache_estimate_is_the_built_cache_and_auto_falls_back_above_the_budget(make_trainer, caplog, form):
+    method_args = RELEASE_FORM if form == "release" else {}
+    policy = {"merge_adjacent_spans": True} if form == "release" else None
+    trainer = make_trainer(max_steps=1, top_k=64, reference_cache_top_m=100, policy=policy, **method_args)
     trainer.train()
-    roles = [item["token_roles"] for item in trainer.train_dataset.forget.items]
-    assert estimated_nbytes(roles, 64, trainer.model.config.vocab_size, torch.float32) == (
-        trainer.reference_cache.nbytes
-    )
-    budget_gib = trainer.reference_cache.nbytes / 2**30 * 0.99
+    positions = count_positions(item["token_roles"] for item in trainer.train_dataset.forget.items)
+    estimate = estimated_nbytes(*positions, 64, 100, torch.float32, trainer.kl_direction)
+    assert estimate == trainer.reference_cache.nbytes
+    budget_gib = estimate / 2**30 * 0.99
     with caplog.at_level(logging.INFO, logger="palu_trainer.framework.trainers.palu"):
-        over = make_trainer(top_k=64, reference_cache_max_gib=budget_gib)
+        over = make_trainer(
+            top_k=64,
+            reference_cache_top_m=100,
+            reference_cache_max_gib=budget_gib,
+            policy=policy,
+            **method_args,
+        )
     assert not over.uses_reference_cache and over.ref_model is not None
-    assert "> reference_cache_max_gib" in caplog.text and "keeping the reference model" in caplog.text
+    assert f"estimated at {estimate / 2**30:.3f} GiB" in caplog.text
+    assert f"reference_cache_max_gib={budget_gib:g}: keeping the reference model instead" in caplog.text
     forced = make_trainer(top_k=64, reference_cache=True, reference_cache_max_gib=budget_gib)
     assert forced.uses_reference_cache  # an explicit `true` is obeyed
 
@@ -212,6 +285,7 @@ def test_bad_top_k_and_kl_weight_stop_before_training(make_trainer, method_args,
         ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
         ({"reference_cache_dtype": "int8"}, "choose one of"),
         ({"reference_cache": "yes"}, "choose auto, true or false"),
+        ({"reference_cache_top_m": 0}, "reference_cache_top_m=0: give a positive integer m"),
     ],
 )
 def test_bad_method_args_are_rejected(make_trainer, method_args, message):

@@ -10,13 +10,17 @@ from palu_trainer.method.losses import (
     check_kl_weight,
     common_kl_loss,
     common_kl_to_reference_loss,
+    label_nll_at_positions,
     local_entropy_loss,
     palu_forget_loss,
+    palu_forget_loss_at_positions,
     palu_loss,
     predicting_rows,
+    reference_kl_loss,
     reference_targets,
     resolve_top_k,
     select_predictions,
+    targets_from_selected,
 )
 from palu_trainer.method.roles import TokenRole
 
@@ -282,3 +286,129 @@ def test_reference_targets_take_the_reference_top_k():
     probs, neg_entropy = reference_of(reference_logits[0, 1:2])
     torch.testing.assert_close(reference.common_probs, probs)
     torch.testing.assert_close(reference.common_neg_entropy, neg_entropy)
+
+
+def kl_and_gradient(loss_fn, logits):
+    logits = logits.clone().requires_grad_(True)
+    loss = loss_fn(logits)
+    loss.backward()
+    return loss.detach(), logits.grad
+
+
+def kl_from(reference_logits, kl_direction, top_m=None):
+    """The KL of logits (C, V) to the reference's targets in `kl_direction`, full or in the top-m form."""
+    targets = targets_from_selected(reference_logits[:0], reference_logits, 1, kl_direction, top_m)
+    return lambda logits: reference_kl_loss(logits, targets, kl_direction)
+
+
+@pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
+def test_top_m_kl_with_every_entry_is_the_full_kl(kl_direction):
+    torch.manual_seed(0)
+    reference_logits, logits = 3 * torch.randn(6, 50), 3 * torch.randn(6, 50)
+    exact = kl_and_gradient(kl_from(reference_logits, kl_direction), logits)
+    top_m = kl_and_gradient(kl_from(reference_logits, kl_direction, top_m=50), logits)
+    assert exact[0] > 1
+    torch.testing.assert_close(top_m, exact, rtol=1e-5, atol=1e-7)
+
+
+def tails(reference_logits, logits, top_m):
+    """P_ref's and P_θ's entries outside the reference's top m (zero elsewhere) and their masses r, Q."""
+    p, q = F.softmax(reference_logits, -1), F.softmax(logits, -1)
+    tail = torch.ones_like(p, dtype=torch.bool).scatter(-1, p.topk(top_m, -1).indices, False)
+    p_tail, q_tail = p.where(tail, 0), q.where(tail, 0)
+    return p_tail, q_tail, p_tail.sum(-1, keepdim=True), q_tail.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
+def test_top_m_kl_is_exact_at_the_reference(kl_direction):
+    torch.manual_seed(0)
+    reference_logits = 4 * torch.randn(8, 1000)  # peaked like a trained LM's
+    kl, gradient = kl_and_gradient(kl_from(reference_logits, kl_direction, top_m=32), reference_logits)
+    assert abs(float(kl)) < 1e-5 and gradient.abs().max() < 1e-7  # 0 up to fp32 rounding
+
+
+def test_top_m_kl_from_the_reference_is_bounded_by_the_tail_after_a_move():
+    """KL(P̃_ref ‖ P̃_θ) misses exactly r·KL(tail), ≥ 0, and each row's gradient differs by at most 2r in
+    L1 (the tail's mass spread like the current model's)."""
+    torch.manual_seed(0)
+    reference_logits = 4 * torch.randn(8, 1000)
+    moved = reference_logits + 0.5 * torch.randn(8, 1000)
+    exact_kl, exact_gradient = kl_and_gradient(kl_from(reference_logits, "ref_to_policy"), moved)
+    kl, gradient = kl_and_gradient(kl_from(reference_logits, "ref_to_policy", top_m=32), moved)
+    p_tail, q_tail, r, current_tail = tails(reference_logits, moved, 32)
+    missed = (  # r·KL(p_tail/r ‖ q_tail/Q) = Σ_tail p·log((p/r) / (q/Q))
+        torch.special.xlogy(p_tail, p_tail / r) - torch.special.xlogy(p_tail, q_tail / current_tail)
+    ).sum(-1)
+    assert 0 < float(exact_kl - kl)
+    # atol: fp32 rounding of the logsumexp-sized terms (~15 here) that cancel in each KL
+    torch.testing.assert_close(exact_kl - kl, missed.mean(), rtol=1e-3, atol=3e-5)
+    rows = len(moved)  # the loss is a mean over rows: each row's gradient carries 1/rows
+    assert ((gradient - exact_gradient).abs().sum(-1) * rows <= 2 * r.squeeze(-1) + 1e-6).all()
+    assert 0.01 < float(r.max()) < 0.2
+
+
+def test_top_m_kl_to_the_reference_is_bounded_by_the_tail_after_a_move():
+    """KL(P̃_θ ‖ P̃_ref) misses exactly Q·KL(q̂ ‖ p̂), q̂ and p̂ the tails normalised, ≥ 0; each row's
+    gradient differs by at most Q·(KL(q̂ ‖ p̂) + E_q̂|log q̂/p̂|) in L1."""
+    torch.manual_seed(0)
+    reference_logits = 4 * torch.randn(8, 1000, dtype=torch.float64)
+    moved = reference_logits + 0.5 * torch.randn(8, 1000, dtype=torch.float64)
+    exact_kl, exact_gradient = kl_and_gradient(kl_from(reference_logits, "policy_to_ref"), moved)
+    kl, gradient = kl_and_gradient(kl_from(reference_logits, "policy_to_ref", top_m=32), moved)
+    p_tail, q_tail, r, current_tail = tails(reference_logits, moved, 32)
+    log_ratio = (q_tail / current_tail).log() - (p_tail / r).log()  # inf/nan only off the tail
+    tail_kl = torch.where(q_tail > 0, q_tail / current_tail * log_ratio, 0).sum(-1)
+    tail_abs = torch.where(q_tail > 0, q_tail / current_tail * log_ratio.abs(), 0).sum(-1)
+    missed = current_tail.squeeze(-1) * tail_kl
+    assert float(missed.min()) > 0
+    torch.testing.assert_close(exact_kl - kl, missed.mean(), rtol=1e-9, atol=1e-12)
+    rows = len(moved)
+    bound = current_tail.squeeze(-1) * (tail_kl + tail_abs)
+    assert ((gradient - exact_gradient).abs().sum(-1) * rows <= bound + 1e-12).all()
+    assert float(((gradient - exact_gradient).abs().sum(-1) * rows).max()) > 0.1 * float(bound.max())
+
+
+@pytest.mark.parametrize(
+    ("kl_direction", "top_m", "target_gradient", "chunk_rows"),
+    [
+        ("ref_to_policy", None, False, None),
+        ("ref_to_policy", 8, False, 2),
+        ("policy_to_ref", None, True, 1),
+        ("policy_to_ref", 8, True, 3),
+    ],
+)
+def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
+    kl_direction, top_m, target_gradient, chunk_rows
+):
+    """Logits only where a loss reads them, `chunk_rows` at a time under checkpointing, against the
+    full (B, T, V) logits: same terms and gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16)
+    project = torch.nn.Linear(16, 40)
+    roles = torch.tensor([[IGN, IGN, COM, INI, INI, RED, COM], [IGN, INI, RED, COM, COM, IGN, IGN]])
+    labels = torch.tensor([[-100, -100, 5, 6, 7, 8, 9], [-100, 1, 2, 3, 4, -100, -100]])
+    reference = reference_targets(torch.randn(2, 7, 40), roles, 5, kl_direction, top_m)
+    options = ("global_mean", target_gradient, kl_direction)
+
+    def losses_and_gradients(at_positions):
+        project.zero_grad()
+        leaf = hidden.clone().requires_grad_(True)
+        if at_positions:
+            terms = [*palu_forget_loss_at_positions(leaf, project, roles, reference, *options, chunk_rows)]
+            terms.append(label_nll_at_positions(leaf, project, labels, chunk_rows))
+        else:
+            logits = project(leaf)
+            terms = [*palu_forget_loss(logits, roles, reference, *options)]
+            terms.append(F.cross_entropy(logits[:, :-1].reshape(-1, 40), labels[:, 1:].reshape(-1)))
+        torch.stack(terms).sum().backward()
+        return torch.stack(terms).detach(), leaf.grad, project.weight.grad.clone(), project.bias.grad.clone()
+
+    at_positions, full = losses_and_gradients(True), losses_and_gradients(False)
+    assert (at_positions[0] > 0.1).all()
+    torch.testing.assert_close(at_positions, full, rtol=1e-5, atol=1e-7)
+    hidden_gradient = at_positions[1]
+    assert (
+        hidden_gradient[1, 5:].abs().sum() == 0 == hidden_gradient[0, 6].abs().sum()
+    )  # predict nothing read
+    no_labels = torch.full_like(labels, -100)
+    assert label_nll_at_positions(hidden, project, no_labels, chunk_rows).item() == 0.0

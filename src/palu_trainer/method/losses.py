@@ -4,17 +4,23 @@ Shapes: B batch, T sequence length, V vocabulary, M initiating positions, C comm
 K reference top-K. Every reduction runs in fp32; an empty selection gives exactly 0.
 """
 
+import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from palu_trainer.method.roles import TokenRole
 
 TARGETS = ("global_mean", "topk_mean", "ref_mean", "uniform", "zero")
 KL_DIRECTIONS = ("ref_to_policy", "policy_to_ref")
+# Logits held at once by the losses that project hidden states themselves (`*_at_positions`): 2**22 fp32
+# numbers (16 MiB, 32 positions at |V| = 128256); a step never holds (positions x |V|) logits.
+LOGIT_CHUNK_ELEMENTS = 2**22
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,12 @@ class ReferenceTargets:
     common_neg_entropy: (C,) fp32, Σ P_ref·log P_ref there: the constant part of KL(P_ref ‖ P_θ).
     common_log_probs: (C, V) log P_ref there, exact where P_ref underflows; for KL(P_θ ‖ P_ref).
     Each KL direction needs only its own fields; the others are None.
+
+    Top-m form (the reference cache's; `common_indices` set): P_ref is coarsened to its m most probable
+    entries and one tail bucket holding the rest of its mass r, and the KL is taken between the coarsened
+    distributions (see `_KLFromTopM`, `_KLToTopM`). Then `common_probs` / `common_log_probs` are (C, m), of
+    the entries `common_indices` (C, m) int64; `common_neg_entropy` includes r·log r; `common_tail_mass`
+    (C,) is r (ref_to_policy) and `common_log_tail_mass` (C,) log r (policy_to_ref).
     """
 
     topk_indices: torch.Tensor
@@ -36,6 +48,18 @@ class ReferenceTargets:
     common_probs: torch.Tensor | None = None
     common_neg_entropy: torch.Tensor | None = None
     common_log_probs: torch.Tensor | None = None
+    common_indices: torch.Tensor | None = None
+    common_tail_mass: torch.Tensor | None = None
+    common_log_tail_mass: torch.Tensor | None = None
+
+    def common_rows(self, rows: slice) -> "ReferenceTargets":
+        """The same targets with only the common positions `rows` (initiating fields unchanged)."""
+        sliced = {
+            field.name: getattr(self, field.name)[rows]
+            for field in dataclasses.fields(self)
+            if field.name.startswith("common_") and getattr(self, field.name) is not None
+        }
+        return dataclasses.replace(self, **sliced)
 
 
 def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
@@ -52,6 +76,12 @@ def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
     return predicted[:, 0] * length + predicted[:, 1]
 
 
+def forget_rows(roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (B·T) positions that predict initiating (M,) and common (C,) tokens: the only rows a forget
+    loss reads; prompt, padding and redundant positions are never projected to the vocabulary."""
+    return predicting_rows(roles, TokenRole.INITIATING), predicting_rows(roles, TokenRole.COMMON)
+
+
 def select_predictions(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits that predict initiating tokens (M, V) and common tokens (C, V).
 
@@ -61,8 +91,7 @@ def select_predictions(logits: torch.Tensor, roles: torch.Tensor) -> tuple[torch
     Args:
         logits: (B, T, V), unshifted. roles: (B, T) TokenRole of each input token.
     """
-    initiating = predicting_rows(roles, TokenRole.INITIATING)
-    common = predicting_rows(roles, TokenRole.COMMON)
+    initiating, common = forget_rows(roles)
     selected = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.cat([initiating, common]))
     return selected[: len(initiating)], selected[len(initiating) :]
 
@@ -130,7 +159,11 @@ def resolve_top_k(top_k, vocab_size: int) -> int:
 
 
 def reference_targets(
-    reference_logits: torch.Tensor, roles: torch.Tensor, top_k: int, kl_direction: str = "ref_to_policy"
+    reference_logits: torch.Tensor,
+    roles: torch.Tensor,
+    top_k: int,
+    kl_direction: str = "ref_to_policy",
+    top_m: int | None = None,
 ) -> ReferenceTargets:
     """Extract the reference's top-K indices, mean logit and what the KL direction needs on common tokens.
 
@@ -139,14 +172,44 @@ def reference_targets(
         roles: (B, T) TokenRole of each input token.
         top_k: K, at most V (see `resolve_top_k`).
         kl_direction: `ref_to_policy` keeps P_ref and its negative entropy, `policy_to_ref` log P_ref.
+        top_m: None keeps all V entries at common positions; m (at most V) the top-m form.
+    """
+    return targets_from_selected(*select_predictions(reference_logits, roles), top_k, kl_direction, top_m)
+
+
+def targets_from_selected(
+    initiating: torch.Tensor,
+    common: torch.Tensor,
+    top_k: int,
+    kl_direction: str = "ref_to_policy",
+    top_m: int | None = None,
+) -> ReferenceTargets:
+    """`reference_targets` from the reference's logits at the initiating (M, V) and common (C, V) positions.
+
+    top_m: None keeps P_ref (or log P_ref) over all V; m keeps its m most probable entries and their tail
+    mass (see `ReferenceTargets`).
     """
     check_kl_direction(kl_direction)
     with torch.no_grad():
-        initiating, common = (at_least_fp32(s) for s in select_predictions(reference_logits, roles))
+        initiating, common = at_least_fp32(initiating), at_least_fp32(common)
         targets = ReferenceTargets(
             topk_indices=initiating.topk(top_k, dim=-1).indices, logit_mean=initiating.mean(dim=-1)
         )
-        if kl_direction == "policy_to_ref":
+        if top_m is not None:
+            log_probs = F.log_softmax(common, dim=-1)
+            top = log_probs.topk(top_m, dim=-1)
+            # log r from the tail's own entries: 1 − Σ top would cancel to 0 for a small tail
+            log_tail = log_probs.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
+            targets.common_indices = top.indices
+            if kl_direction == "policy_to_ref":
+                targets.common_log_probs, targets.common_log_tail_mass = top.values, log_tail
+            else:
+                probs, tail = top.values.exp(), log_tail.exp()
+                targets.common_probs, targets.common_tail_mass = probs, tail
+                targets.common_neg_entropy = torch.special.xlogy(probs, probs).sum(-1) + (
+                    torch.special.xlogy(tail, tail)
+                )
+        elif kl_direction == "policy_to_ref":
             targets.common_log_probs = F.log_softmax(common, dim=-1)
         else:
             targets.common_probs = F.softmax(common, dim=-1)
@@ -288,6 +351,236 @@ def common_kl_to_reference_loss(logits: torch.Tensor, reference_log_probs: torch
     return _KLToReference.apply(logits, reference_log_probs.to(logits.dtype)).mean()
 
 
+def _softmax_and_tail(logits: torch.Tensor, indices: torch.Tensor):
+    """softmax(z) (C, V), log Σ_j e^{z_j} (C,), and the current model's mass outside `indices` (C,) summed
+    from the tail's own entries (1 − Σ top cancels to 0 for a small tail)."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    softmax = (logits - row_max).exp_()
+    normalizer = softmax.sum(dim=-1, keepdim=True)
+    softmax.div_(normalizer)
+    log_normalizer = (row_max + normalizer.log()).squeeze(-1)
+    tail = softmax.scatter(-1, indices, 0.0).sum(dim=-1)
+    return softmax, log_normalizer, tail
+
+
+class _KLFromTopM(torch.autograd.Function):
+    """Per-row KL(P̃_ref ‖ P̃_θ) over the m cached entries plus one tail bucket (all other entries).
+
+    With p the cached top-m of P_ref, r its tail mass, q = softmax(z) and Q = Σ_tail q:
+    KL = Σ_top p·log p + r·log r − Σ_top p·z_i + logsumexp(z) − r·log Q.
+    Gradient: q_i − p_i on the m entries (exact), q_j·(1 − r/Q) on the tail, where the exact one is
+    q_j − p_j: the tail's reference mass is spread like the current model's. At the first step
+    (P_θ = P_ref) both are exact; later the KL misses r·KL(P_ref,tail/r ‖ P_θ,tail/Q) ≥ 0 and each
+    row's gradient is off by at most 2r in L1.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, indices, probs, tail_mass, neg_entropy):
+        softmax, log_normalizer, current_tail = _softmax_and_tail(logits, indices)
+        cross = (probs * logits.gather(-1, indices)).sum(dim=-1)
+        current_tail = current_tail.clamp_min(torch.finfo(logits.dtype).tiny)
+        tail_cross = torch.special.xlogy(tail_mass, current_tail) + tail_mass * log_normalizer
+        ctx.save_for_backward(softmax, indices, probs, tail_mass / current_tail)
+        return neg_entropy - cross + log_normalizer - tail_cross
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        softmax, indices, probs, tail_ratio = ctx.saved_tensors
+        top_softmax = softmax.gather(-1, indices)
+        gradient = softmax.mul_((1 - tail_ratio).unsqueeze(-1)).scatter_(-1, indices, top_softmax - probs)
+        return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None, None
+
+
+def common_kl_loss_top_m(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    probs: torch.Tensor,
+    tail_mass: torch.Tensor,
+    neg_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """Mean over common positions of KL(P̃_ref ‖ P̃_θ), P_ref kept as its top-m entries and a tail bucket.
+
+    Args:
+        logits: (C, V) current-model logits at the common positions.
+        indices: (C, m) int64 the reference's m most probable entries; probs: (C, m) their P_ref.
+        tail_mass: (C,) r, P_ref's mass outside them. neg_entropy: (C,) Σ_top p·log p + r·log r.
+
+    Returns:
+        Scalar fp32; exactly 0 when C == 0. Equals `common_kl_loss` when m = V (see `_KLFromTopM`).
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    logits = at_least_fp32(logits)
+    cast = [t.to(logits.dtype) for t in (probs, tail_mass, neg_entropy)]
+    return _KLFromTopM.apply(logits, indices.long(), *cast).mean()
+
+
+class _KLToTopM(torch.autograd.Function):
+    """Per-row KL(P̃_θ ‖ P̃_ref) over the m cached entries plus one tail bucket (all other entries).
+
+    With q = softmax(z), Q = Σ_tail q, log p the cached top-m of log P_ref and log r its tail's:
+    KL = Σ_top q_i·(log q_i − log p_i) + Q·(log Q − log r), the tail's term 0 when Q = 0.
+    Each entry's gradient is q_j·(a_j − KL), a_j its bucket's log-ratio (log q_j − log p_j on the top,
+    log Q − log r on the tail), as the full KL's is with a_j = log q_j − log P_ref,j. Exact at P_θ = P_ref
+    and when m = V; otherwise the KL misses Q·KL(q̂ ‖ p̂) ≥ 0 (q̂, p̂ the tails normalised) and each row's
+    gradient is off by at most Q·(KL(q̂ ‖ p̂) + E_q̂|log q̂/p̂|) in L1.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, indices, log_probs, log_tail_mass):
+        # log q first and q = exp(log q), as `_KLToReference`, so that m = V gives its rounding too
+        log_softmax = logits - logits.logsumexp(dim=-1, keepdim=True)
+        softmax = log_softmax.exp()
+        current_tail = softmax.scatter(-1, indices, 0.0).sum(dim=-1)
+        tail_ratio = current_tail.log() - log_tail_mass  # NaN when m = V (no tail): overwritten below
+        top_ratio = log_softmax.gather(-1, indices) - log_probs
+        # every entry starts as a tail entry; the top-m get their own log-ratio
+        log_ratio = tail_ratio.unsqueeze(-1).repeat(1, logits.shape[-1]).scatter_(-1, indices, top_ratio)
+        top = (softmax.gather(-1, indices) * top_ratio).sum(dim=-1)
+        per_row = top + torch.where(current_tail > 0, current_tail * tail_ratio, 0.0)
+        ctx.save_for_backward(softmax, log_ratio, per_row)
+        return per_row
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        softmax, log_ratio, per_row = ctx.saved_tensors
+        # an entry whose q underflowed to 0 in a tail of mass 0 has log-ratio -inf: its gradient is 0
+        gradient = log_ratio.sub_(per_row.unsqueeze(-1)).mul_(softmax).nan_to_num_(0.0)
+        return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None
+
+
+def common_kl_to_reference_top_m(
+    logits: torch.Tensor, indices: torch.Tensor, log_probs: torch.Tensor, log_tail_mass: torch.Tensor
+) -> torch.Tensor:
+    """Mean over common positions of KL(P̃_θ ‖ P̃_ref), P_ref kept as its top-m entries and a tail bucket.
+
+    Args:
+        logits: (C, V) current-model logits at the common positions.
+        indices: (C, m) int64 the reference's m most probable entries; log_probs: (C, m) their log P_ref.
+        log_tail_mass: (C,) log r, r P_ref's mass outside them (-inf when m = V).
+
+    Returns:
+        Scalar fp32 (float64 for float64 logits); exactly 0 when C == 0. Equals
+        `common_kl_to_reference_loss` when m = V (see `_KLToTopM`).
+    """
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    logits = at_least_fp32(logits)
+    cast = [t.to(logits.dtype) for t in (log_probs, log_tail_mass)]
+    return _KLToTopM.apply(logits, indices.long(), *cast).mean()
+
+
+def reference_kl_loss(
+    logits: torch.Tensor, reference: ReferenceTargets, kl_direction: str = "ref_to_policy"
+) -> torch.Tensor:
+    """The KL term on the common positions' logits (C, V), for either form of `reference`."""
+    top_m = reference.common_indices is not None
+    if check_kl_direction(kl_direction) == "policy_to_ref":
+        if top_m:
+            return common_kl_to_reference_top_m(
+                logits, reference.common_indices, reference.common_log_probs, reference.common_log_tail_mass
+            )
+        return common_kl_to_reference_loss(logits, reference.common_log_probs)
+    if top_m:
+        return common_kl_loss_top_m(
+            logits,
+            reference.common_indices,
+            reference.common_probs,
+            reference.common_tail_mass,
+            reference.common_neg_entropy,
+        )
+    return common_kl_loss(logits, reference.common_probs, reference.common_neg_entropy)
+
+
+def project_at_positions(hidden: torch.Tensor, project: Callable, rows: torch.Tensor) -> torch.Tensor:
+    """Logits at some positions only: `project` (the model's output projection) on their hidden states.
+
+    Args:
+        hidden: (B, T, d) final hidden states (after the last norm). project: (N, d) -> (N, V).
+        rows: (N,) flat positions into `hidden.view(B * T, d)`.
+
+    Returns:
+        (N, V) logits, at least fp32, equal to the full (B, T, V) logits' rows `rows`.
+    """
+    return at_least_fp32(project(flat_hidden_rows(hidden, rows)))
+
+
+def mean_over_chunks(
+    hidden: torch.Tensor, project: Callable, row_loss: Callable, chunk_rows: int
+) -> torch.Tensor:
+    """A mean-over-rows loss of the logits `project(hidden)` (N, V), never holding more than `chunk_rows`
+    rows of logits: each chunk's projection and loss run under activation checkpointing (recomputed in
+    the backward pass, as chunked cross-entropy in Liger and torchtune), weighted by its share of rows.
+
+    Args:
+        hidden: (N, d) hidden states of the rows. project: (n, d) -> (n, V).
+        row_loss: (logits (n, V), rows: slice) -> the mean of the loss over those rows (scalar).
+        chunk_rows: rows per chunk (see `logit_chunk_rows`); None: one chunk.
+
+    Returns:
+        Scalar, equal to `row_loss(project(hidden), slice(None))`; exactly 0 when N == 0.
+    """
+    total = hidden.shape[0]
+    if total == 0:
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    def chunk_loss(chunk_hidden, rows):
+        return row_loss(at_least_fp32(project(chunk_hidden)), rows)
+
+    chunk_rows = chunk_rows or total
+    parts = []
+    for start in range(0, total, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, total))
+        share = (rows.stop - rows.start) / total
+        if torch.is_grad_enabled():
+            parts.append(share * checkpoint(chunk_loss, hidden[rows], rows, use_reentrant=False))
+        else:
+            parts.append(share * chunk_loss(hidden[rows], rows))
+    return torch.stack(parts).sum()
+
+
+def logit_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of `mean_over_chunks`: LOGIT_CHUNK_ELEMENTS logits, at least one row."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // vocab_size)
+
+
+def flat_hidden_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(N, d) hidden states at flat positions `rows` (N,) of `hidden` (B, T, d)."""
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+
+
+def palu_forget_loss_at_positions(
+    hidden: torch.Tensor,
+    project: Callable,
+    roles: torch.Tensor,
+    reference: ReferenceTargets,
+    target: str = "global_mean",
+    target_gradient: bool = False,
+    kl_direction: str = "ref_to_policy",
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`palu_forget_loss` from the final hidden states (B, T, d): the output projection `project`
+    ((n, d) -> (n, V)) runs only at the initiating and common positions, `chunk_rows` positions at a
+    time (None: all at once; see `mean_over_chunks` and `logit_chunk_rows`). Same values and gradients
+    as projecting every position."""
+    initiating, common = forget_rows(roles)
+
+    def local_rows(logits, rows):
+        return local_entropy_loss(
+            logits,
+            reference.topk_indices[rows],
+            target=target,
+            reference_logit_mean=reference.logit_mean[rows],
+            target_gradient=target_gradient,
+        )
+
+    def kl_rows(logits, rows):
+        return reference_kl_loss(logits, reference.common_rows(rows), kl_direction)
+
+    local = mean_over_chunks(flat_hidden_rows(hidden, initiating), project, local_rows, chunk_rows)
+    return local, mean_over_chunks(flat_hidden_rows(hidden, common), project, kl_rows, chunk_rows)
+
+
 def palu_forget_loss(
     logits: torch.Tensor,
     roles: torch.Tensor,
@@ -317,9 +610,27 @@ def palu_forget_loss(
         reference_logit_mean=reference.logit_mean,
         target_gradient=target_gradient,
     )
-    if check_kl_direction(kl_direction) == "policy_to_ref":
-        return local, common_kl_to_reference_loss(common, reference.common_log_probs)
-    return local, common_kl_loss(common, reference.common_probs, reference.common_neg_entropy)
+    return local, reference_kl_loss(common, reference, kl_direction)
+
+
+def label_nll_at_positions(
+    hidden: torch.Tensor, project: Callable, labels: torch.Tensor, chunk_rows: int | None = None
+) -> torch.Tensor:
+    """Mean next-token NLL over label positions, projecting only the positions that predict a label,
+    `chunk_rows` at a time (see `palu_forget_loss_at_positions`).
+
+    Args:
+        hidden: (B, T, d) final hidden states. project: (n, d) -> (n, V). labels: (B, T), -100 where
+            not a label (prompt, padding), unshifted.
+
+    Returns:
+        Scalar fp32, the causal-LM loss of `model(labels=...)`; exactly 0 when no label.
+    """
+    predicted = labels[:, 1:]
+    rows = torch.nonzero(predicted != -100)
+    targets = predicted[rows[:, 0], rows[:, 1]]
+    flat = flat_hidden_rows(hidden, rows[:, 0] * labels.shape[1] + rows[:, 1])
+    return mean_over_chunks(flat, project, lambda logits, r: F.cross_entropy(logits, targets[r]), chunk_rows)
 
 
 def palu_loss(

@@ -2,6 +2,8 @@
 
 The forget set is fixed and the reference is the policy before its first step, so one pass of the
 policy over the forget set yields everything PALU ever reads from the reference: no second model.
+At a common position the cache keeps the reference's m most probable entries and their tail mass
+(about m + 1 numbers instead of |V|; see `losses.ReferenceTargets` for the KL this gives and its error).
 """
 
 import logging
@@ -10,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from palu_trainer.method.losses import ReferenceTargets, reference_targets
+from palu_trainer.method.losses import ReferenceTargets, targets_from_selected
 from palu_trainer.method.roles import TokenRole
 
 logger = logging.getLogger(__name__)
 
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INDEX_BYTES = 4  # vocabulary entries are kept as int32
 
 
 def cache_dtype(name: str) -> torch.dtype:
@@ -25,14 +28,26 @@ def cache_dtype(name: str) -> torch.dtype:
     return CACHE_DTYPES[name]
 
 
+def resolve_top_m(top_m, vocab_size: int) -> int:
+    """m as used: a positive integer, capped at |V| (m = |V| keeps every entry: the exact KL)."""
+    if isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
+        raise ValueError(
+            f"reference_cache_top_m={top_m!r}: give a positive integer m, the reference's most probable "
+            "entries kept per common position"
+        )
+    return min(top_m, vocab_size)
+
+
 @dataclass
 class ReferenceCache:
     """Per forget row (keyed by dataset index), on host memory.
 
     topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; rows in the order of the row's initiating /
-    common positions. For KL(P_ref ‖ P_θ): common_probs[i] (C_i, V) in the cache dtype and
-    common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i] (C_i, V) in the cache dtype
-    (log P_ref itself, so probabilities that underflow to 0 keep their exact log). Unused tables are empty.
+    common positions. common_indices[i]: (C_i, m) int32, the reference's m most probable entries there.
+    For KL(P_ref ‖ P_θ): common_probs[i] (C_i, m) in the cache dtype, common_tail_mass[i] and
+    common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i] (C_i, m) in the cache dtype
+    (log P_ref itself, so probabilities that underflow to 0 keep their exact log) and
+    common_log_tail_mass[i] (C_i,) fp32. Unused tables are empty.
     """
 
     topk_indices: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -40,6 +55,9 @@ class ReferenceCache:
     common_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     common_neg_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
     common_log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_indices: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_tail_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    common_log_tail_mass: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def _tables(self) -> dict[str, dict[int, torch.Tensor]]:
         return {name: table for name, table in vars(self).items() if table}
@@ -59,11 +77,8 @@ class ReferenceCache:
             roles: (B, T) roles of the batch's tokens, used to check the cache still fits it.
         """
         rows = [int(i) for i in row_indices]
-        for row, row_roles in zip(rows, roles[:, 1:]):
-            expected = (
-                int((row_roles == TokenRole.INITIATING).sum()),
-                int((row_roles == TokenRole.COMMON).sum()),
-            )
+        for row, row_roles in zip(rows, roles):
+            expected = count_positions([row_roles])
             cached = (self.topk_indices[row].shape[0], self.common_rows()[row].shape[0])
             if expected != cached:
                 raise RuntimeError(
@@ -72,6 +87,7 @@ class ReferenceCache:
                 )
         dtypes = {
             "topk_indices": torch.long,
+            "common_indices": torch.long,
             "common_probs": torch.float32,
             "common_log_probs": torch.float32,
         }
@@ -84,54 +100,87 @@ class ReferenceCache:
 
 
 def build_reference_cache(
-    forward: Callable[[dict], torch.Tensor],
+    selected_logits: Callable[[dict], tuple[torch.Tensor, torch.Tensor]],
     batches: Iterable[dict],
     top_k: int,
+    top_m: int,
     dtype: torch.dtype = torch.float32,
     kl_direction: str = "ref_to_policy",
 ) -> ReferenceCache:
-    """Run `forward` (input_ids, attention_mask → (B, T, V) logits) over collated forget batches.
+    """Run `selected_logits` over collated forget batches and keep each row's targets on the host.
 
-    Each batch needs `input_ids`, `attention_mask`, `token_roles` and `index`. Called identically on
-    every rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set.
-    `top_k` is K as resolved against |V|; `dtype` stores the (log) probabilities (see `cache_dtype`);
-    `kl_direction` picks what is kept on common positions (see `ReferenceCache`).
+    `selected_logits(batch)` gives the reference's logits at the batch's initiating (M, V) and common
+    (C, V) positions, in row-major order (see `losses.forget_rows`). Each batch needs `input_ids`,
+    `attention_mask`, `token_roles` and `index`. Called identically on every rank, so that ZeRO-3's
+    collective forwards line up; each rank keeps the whole forget set. `top_k` is K and `top_m` m as
+    resolved against |V|; `dtype` stores the (log) probabilities (see `cache_dtype`); `kl_direction` picks
+    what is kept on common positions (see `ReferenceCache`).
     """
     cache = ReferenceCache()
-    dtypes = {"topk_indices": torch.int32, "common_probs": dtype, "common_log_probs": dtype}
+    dtypes = {
+        "topk_indices": torch.int32,
+        "common_indices": torch.int32,
+        "common_probs": dtype,
+        "common_log_probs": dtype,
+    }
     with torch.no_grad():
         for batch in batches:
-            logits = forward({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
-            for row, (row_logits, row_roles) in enumerate(zip(logits, batch["token_roles"])):
-                targets = reference_targets(row_logits[None], row_roles[None], top_k, kl_direction)
-                index = int(batch["index"][row])
-                for name, value in vars(targets).items():
-                    if value is not None:
-                        getattr(cache, name)[index] = value.to("cpu", dtypes.get(name))
+            targets = targets_from_selected(*selected_logits(batch), top_k, kl_direction, top_m)
+            counts = [count_positions([row_roles]) for row_roles in batch["token_roles"]]
+            sizes = {"initiating": [m for m, _ in counts], "common": [c for _, c in counts]}
+            for name, value in vars(targets).items():
+                if value is None:
+                    continue
+                parts = value.split(sizes["common" if name.startswith("common_") else "initiating"])
+                for index, part in zip(batch["index"].tolist(), parts):
+                    getattr(cache, name)[index] = part.to("cpu", dtypes.get(name))
     return cache
 
 
-def estimated_nbytes(roles: Iterable[torch.Tensor], top_k: int, vocab_size: int, dtype: torch.dtype) -> int:
-    """Host bytes `build_reference_cache` would hold for forget rows with these (T,) role tensors.
-
-    Per common position: V probabilities in `dtype` and one fp32 entropy; per initiating position: K int32
-    indices and one fp32 mean. Counted before anything is built, from the roles alone.
-    """
-    common = initiating = 0
+def count_positions(roles: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """Initiating and common positions (tokens t ≥ 1, predicted at t-1) over rows' roles (T,)."""
+    initiating = common = 0
     for row_roles in roles:
-        common += int((row_roles[1:] == TokenRole.COMMON).sum())
-        initiating += int((row_roles[1:] == TokenRole.INITIATING).sum())
+        predicted = row_roles[1:]
+        initiating += int((predicted == TokenRole.INITIATING).sum())
+        common += int((predicted == TokenRole.COMMON).sum())
+    return initiating, common
+
+
+def estimated_nbytes(
+    initiating: int,
+    common: int,
+    top_k: int,
+    top_m: int,
+    dtype: torch.dtype,
+    kl_direction: str = "ref_to_policy",
+) -> int:
+    """Host bytes `build_reference_cache` would hold for this many initiating and common positions (see
+    `count_positions`): known before anything is built.
+
+    Per initiating position: K int32 indices and one fp32 mean. Per common position: m int32 entries and
+    their (log) probabilities in `dtype`, plus the fp32 tail mass and KL constant (ref_to_policy) or the
+    fp32 log tail mass (policy_to_ref).
+    """
     item_size = torch.empty((), dtype=dtype).element_size()
-    return common * (vocab_size * item_size + 4) + initiating * (top_k * 4 + 4)
+    per_common = top_m * (INDEX_BYTES + item_size) + (4 if kl_direction == "policy_to_ref" else 8)
+    return common * per_common + initiating * (top_k * INDEX_BYTES + 4)
 
 
 def describe(cache: ReferenceCache, top_k: int, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     initiating = sum(t.shape[0] for t in cache.topk_indices.values())
     common = sum(t.shape[0] for t in cache.common_rows().values())
-    vocab = next((t.shape[1] for t in cache.common_rows().values() if t.numel()), 0)
+    top_m = next((t.shape[1] for t in cache.common_rows().values() if t.numel()), 0)
+    if cache.common_tail_mass:
+        tail = torch.cat(list(cache.common_tail_mass.values()))
+    else:
+        tail = torch.cat(list(cache.common_log_tail_mass.values()) or [torch.zeros(0)]).exp()
+    tail_text = (
+        f"P_ref's tail mass mean {tail.mean():.2e}, max {tail.max():.2e}" if tail.numel() else "no tail"
+    )
     return (
         f"reference cache: {len(cache.topk_indices)} forget rows, {initiating} initiating positions x "
-        f"K={top_k} int32, {common} common positions x V={vocab} {dtype_name}: "
-        f"{cache.nbytes / 2**20:.1f} MiB of host memory; no reference model is kept"
+        f"K={top_k} int32, {common} common positions x top m={top_m} int32 + {dtype_name} and a tail bucket "
+        f"({tail_text}): {cache.nbytes / 2**20:.1f} MiB of host memory; no reference model is kept"
     )

@@ -10,16 +10,24 @@ from palu_trainer.method.losses import (
     check_kl_direction,
     check_kl_weight,
     check_target,
+    forget_rows,
+    label_nll_at_positions,
+    logit_chunk_rows,
     palu_forget_loss,
+    palu_forget_loss_at_positions,
     palu_loss,
-    reference_targets,
+    project_at_positions,
     resolve_top_k,
+    select_predictions,
+    targets_from_selected,
 )
 from palu_trainer.method.reference_cache import (
     build_reference_cache,
     cache_dtype,
+    count_positions,
     describe,
     estimated_nbytes,
+    resolve_top_m,
 )
 from palu_trainer.method.roles import count_roles
 
@@ -29,6 +37,8 @@ from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 logger = logging.getLogger(__name__)
 
 RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
+# Causal LMs whose logits are exactly lm_head(final hidden state): no logit scaling or softcapping.
+PROJECTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
 
 
@@ -47,13 +57,22 @@ class PALUTrainer(GradDiff):
             loss gamma·local + alpha·KL + alpha·retain.
         merge_adjacent_spans: must match the forget dataset's initiating policy (the experiment passes this
             value to it): spans with no token between them are one span (the released code).
-        reference_cache: `auto` (default: on unless retain_loss_type is KL), true or false. On: before
-            the first step the policy, whose weights are still the reference, runs once over the forget
-            set and PALU's reference targets are kept per row on host memory; no reference model exists.
-        reference_cache_dtype: float32 (exact), float16 or bfloat16, for the cached probabilities.
-        reference_cache_max_gib: with `auto`, the cache is only built when its estimate (common positions
-            x |V| probabilities, per rank: every rank holds the whole forget set) fits this budget;
-            above it the reference model is kept instead, and the log says why.
+        reference_cache: `auto` (default: on unless retain_loss_type is KL or the cache would exceed
+            `reference_cache_max_gib`), true or false. On: before the first step the policy, whose weights
+            are still the reference, runs once over the forget set and PALU's reference targets are kept
+            per row on host memory; no reference model exists.
+        reference_cache_top_m: m, the reference's most probable entries kept per common position; the
+            rest of its mass is one tail bucket and the KL is taken between the coarsened distributions
+            (exact at the first step; later the error is bounded by the tail mass, which the build logs).
+            Capped at |V|.
+        reference_cache_dtype: float32, float16 or bfloat16, for the cached (log-)probabilities.
+        reference_cache_max_gib: with `auto`, the cache is only built when its estimate (per rank: every
+            rank holds the whole forget set) fits this budget; above it the reference model is kept
+            instead, and the log says why.
+
+    Logits are projected only where a loss reads them (forget: initiating and common positions; retain
+    NLL: label positions), LOGIT_CHUNK_ELEMENTS at a time under activation checkpointing, for models whose
+    logits are a plain output projection (PROJECTABLE_MODEL_TYPES); other models get full logits.
 
     Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
     policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
@@ -68,8 +87,9 @@ class PALUTrainer(GradDiff):
         kl_weight=1.0,
         merge_adjacent_spans=False,
         reference_cache="auto",
+        reference_cache_top_m=512,
         reference_cache_dtype="float32",
-        reference_cache_max_gib=16.0,
+        reference_cache_max_gib=4.0,
         *args,
         **kwargs,
     ):
@@ -91,6 +111,9 @@ class PALUTrainer(GradDiff):
         self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
         self.reference_cache_max_gib = float(reference_cache_max_gib)
+        self.reference_cache_top_m = resolve_top_m(reference_cache_top_m, self.model.config.vocab_size)
+        self.projects_at_positions = self._projects_at_positions()
+        self.logit_chunk_rows = logit_chunk_rows(self.model.config.vocab_size)
         self.uses_reference_cache = self._cache_wanted(reference_cache)
         self.reference_cache = None
         if not self.uses_reference_cache and self.ref_model is None:
@@ -140,21 +163,69 @@ class PALUTrainer(GradDiff):
         forget = getattr(self.train_dataset, "forget", None)
         if forget is None:
             return True
-        roles = (forget[index]["token_roles"] for index in range(len(forget)))
-        vocab_size = self.model.config.vocab_size
-        gib = estimated_nbytes(roles, self.top_k, vocab_size, self.reference_cache_dtype) / 2**30
-        if gib <= self.reference_cache_max_gib:
-            return True
-        logger.info(
-            "reference_cache=auto: the forget set's cache would take %.1f GiB of host memory per rank "
-            "(common positions x |V|=%d probabilities in %s) > reference_cache_max_gib=%.1f: keeping the "
-            "reference model instead (raise the budget, or set reference_cache_dtype=bfloat16, to cache)",
+        positions = count_positions(forget[index]["token_roles"] for index in range(len(forget)))
+        top_m, dtype = self.reference_cache_top_m, self.reference_cache_dtype
+        gib = estimated_nbytes(*positions, self.top_k, top_m, dtype, self.kl_direction) / 2**30
+        fits = gib <= self.reference_cache_max_gib
+        (logger.info if fits else logger.warning)(
+            "reference_cache=auto: the forget set's cache is estimated at %.3f GiB of host memory per rank "
+            "(K=%d per initiating position, top m=%d of |V|=%d per common position, in %s); "
+            "reference_cache_max_gib=%g: %s",
             gib,
-            vocab_size,
-            str(self.reference_cache_dtype).removeprefix("torch."),
+            self.top_k,
+            top_m,
+            self.model.config.vocab_size,
+            str(dtype).removeprefix("torch."),
             self.reference_cache_max_gib,
+            "caching"
+            if fits
+            else "keeping the reference model instead (raise the budget, lower reference_cache_top_m, or set "
+            "reference_cache_dtype=bfloat16, to cache)",
+        )
+        return fits
+
+    def _projects_at_positions(self) -> bool:
+        config = self.model.config
+        plain_head = isinstance(self.model.get_output_embeddings(), torch.nn.Linear)
+        if (
+            config.model_type in PROJECTABLE_MODEL_TYPES
+            and plain_head
+            and getattr(config, "pretraining_tp", 1) == 1
+        ):
+            return True
+        logger.warning(
+            "model_type=%s: logits may be scaled or capped after the output projection, so full logits are "
+            "computed at every position (projection at the loss positions only for %s)",
+            config.model_type,
+            ", ".join(PROJECTABLE_MODEL_TYPES),
         )
         return False
+
+    def _final_hidden(self, model, inputs):
+        """Final hidden states (B, T, d) and the outputs, through the (possibly wrapped) model's own forward
+        so that DDP and ZeRO-3 hooks run; only the last position's logits are computed there."""
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            output_hidden_states=True,
+            num_logits_to_keep=1,
+        )
+        return outputs.hidden_states[-1], outputs
+
+    def _output_projection(self, model):
+        """Called as a module (not its weight) so that ZeRO-3 gathers it; tied embeddings included."""
+        return self.accelerator.unwrap_model(model).get_output_embeddings()
+
+    def _selected_logits(self, model, inputs, roles):
+        """The reference's logits at the initiating (M, V) and common (C, V) positions (no gradient)."""
+        if not self.projects_at_positions:
+            return select_predictions(model(**inputs).logits, roles)
+        hidden, _ = self._final_hidden(model, inputs)
+        initiating, common = forget_rows(roles)
+        selected = project_at_positions(
+            hidden, self._output_projection(model), torch.cat([initiating, common])
+        )
+        return selected[: len(initiating)], selected[len(initiating) :]
 
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
@@ -174,9 +245,14 @@ class PALUTrainer(GradDiff):
         was_training = model.training
         model.eval()
         cache = build_reference_cache(
-            lambda inputs: model(**inputs).logits,
+            lambda batch: self._selected_logits(
+                model,
+                {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+                batch["token_roles"],
+            ),
             batches,
             self.top_k,
+            self.reference_cache_top_m,
             self.reference_cache_dtype,
             self.kl_direction,
         )
@@ -189,24 +265,35 @@ class PALUTrainer(GradDiff):
             self.reference_cache = self._build_reference_cache(model)
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
-        forget_outputs = model(**forward_inputs)
-        logits, roles = forget_outputs.logits, forget["token_roles"]
+        roles = forget["token_roles"]
         if self.uses_reference_cache:
-            reference = self.reference_cache.targets(forget["index"], roles, logits.device)
+            reference = self.reference_cache.targets(forget["index"], roles, roles.device)
         else:
             with torch.no_grad():
-                reference_logits = self.ref_model(**forward_inputs).logits
-            reference = reference_targets(reference_logits, roles, self.top_k, self.kl_direction)
-        local_loss, kl_loss = palu_forget_loss(
-            logits, roles, reference, self.target, self.target_gradient, self.kl_direction
-        )
+                selected = self._selected_logits(self.ref_model, forward_inputs, roles)
+                reference = targets_from_selected(*selected, self.top_k, self.kl_direction)
+        loss_options = (self.target, self.target_gradient, self.kl_direction)
+        if self.projects_at_positions:
+            hidden, forget_outputs = self._final_hidden(model, forward_inputs)
+            local_loss, kl_loss = palu_forget_loss_at_positions(
+                hidden, self._output_projection(model), roles, reference, *loss_options, self.logit_chunk_rows
+            )
+        else:
+            forget_outputs = model(**forward_inputs)
+            local_loss, kl_loss = palu_forget_loss(forget_outputs.logits, roles, reference, *loss_options)
 
         if self.retain_loss_type == "none":
             retain_loss = torch.zeros((), device=local_loss.device)
         else:
             retain = inputs["retain"]
             retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
-            retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
+            if self.retain_loss_type == "NLL" and self.projects_at_positions:
+                hidden, _ = self._final_hidden(model, retain_inputs)
+                retain_loss = label_nll_at_positions(
+                    hidden, self._output_projection(model), retain_inputs["labels"], self.logit_chunk_rows
+                )
+            else:
+                retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
 
         loss = palu_loss(local_loss, kl_loss, retain_loss, self.gamma, self.alpha, self.kl_weight)
         self._record_terms(local_loss, kl_loss, retain_loss, roles)
