@@ -27,10 +27,12 @@ def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
         assert points[label]["params"]["overrides"] == f"trainer.method_args.top_k={label}"
     original = summary["references"]["Original"]["metrics"]
     # the local loss is a mean over the K logits: at K=|V| the pull on the answer's own (top) logit is 1/|V|
-    # of K=1's, so K=1 forgets more of the answers in the same epochs; both move away from Original
+    # of K=1's, so K=1 forgets more of the answers in the same epochs, and costs more utility; both move
+    # away from Original (FAST's few forget rows make FQ too coarse to rank them)
     rouge = {label: points[label]["metrics"]["forget_rouge"] for label in ("1", "all")}
+    utility = {label: points[label]["metrics"]["retain_utility"] for label in ("1", "all")}
     assert rouge["1"] < rouge["all"] < original["forget_rouge"], rouge
-    assert points["1"]["metrics"]["forget_quality"] > original["forget_quality"]
+    assert utility["1"] < utility["all"], utility
     assert (
         points["broken"]["metrics"] == {}
         and "no_such_target" in (run_dir / points["broken"]["params"]["error"]).read_text()
