@@ -191,11 +191,6 @@ class Demo:
     eval_file = "TOFU_EVAL.json"
     scorecard = report.TOFU
 
-    def metric_overrides(self) -> list[str]:
-        """The paper's metrics beyond the stock evaluation (Tables 1 and 2), fluency where its classifier is
-        cached."""
-        return report.paper_metric_overrides(report.fluency_classifier_available(), cuda=False)
-
     def data_dir(self) -> Path:
         return self.benchmark.tofu_dir
 
@@ -246,7 +241,7 @@ class Demo:
             f"experiment={self.eval_experiment}",
             "+runtime=cpu",
             *self.benchmark_overrides(),
-            *self.metric_overrides(),
+            *self.scorecard.metric_overrides(cuda=False),
             f"retain_logs_path={retain_logs or 'null'}",
             f"task_name={name}_eval",
         ]
@@ -337,9 +332,6 @@ class MuseDemo(Demo):
     eval_experiment = "eval/muse/tiny"
     eval_file = "MUSE_EVAL.json"
     scorecard = report.MUSE
-
-    def metric_overrides(self) -> list[str]:
-        return []
 
     def data_dir(self) -> Path:
         return self.benchmark.muse_dir

@@ -112,11 +112,6 @@ class RecipeSettings:
         forget, retain, holdout = self.splits
         return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
 
-    def metric_overrides(self) -> list[str]:
-        """The paper's Table 1 and 2 metrics beyond the stock evaluation (fluency where its classifier is
-        cached)."""
-        return report.paper_metric_overrides(report.fluency_classifier_available(), cuda=True)
-
     def eval_overrides(self) -> list[str]:
         forget, _, holdout = self.splits
         return ["experiment=eval/tofu/default", f"forget_split={forget}", f"holdout_split={holdout}"]
@@ -181,9 +176,6 @@ class MuseRecipe(RecipeSettings):
     def eval_overrides(self) -> list[str]:
         return ["experiment=eval/muse/default", f"data_split={self.forget}"]
 
-    def metric_overrides(self) -> list[str]:
-        return []
-
     def dataset_problems(self, environ) -> list[str]:
         hub_id = f"muse-bench/MUSE-{self.forget}"
         if self.forget == "News" and environ.get("MUSE_DIR"):
@@ -243,7 +235,7 @@ def eval_command(run: RecipeSettings, method: str) -> list[str]:
         eval_experiment,
         f"model={run.model}",
         *data,
-        *run.metric_overrides(),
+        *run.scorecard.metric_overrides(cuda=True),
         f"task_name={run.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",

@@ -137,6 +137,19 @@ class Scorecard:
     plot_file: str
     log_y: bool
     paper_tables: tuple = ()  # (heading, columns, note) of the paper's further tables
+    adds_paper_metrics: bool = False  # the evaluation adds PAPER_METRICS (and fluency) to the stock metrics
+
+    def metric_overrides(self, cuda: bool) -> list[str]:
+        """Hydra overrides adding the paper's metrics to the stock evaluation; fluency only where its
+        classifier is cached (it runs on CUDA unless `cuda` is false)."""
+        if not self.adds_paper_metrics:
+            return []
+        overrides = [f"+eval/tofu_metrics@eval.tofu.metrics.{name}={name}" for name in PAPER_METRICS]
+        if fluency_classifier_available():
+            overrides.append(f"+eval/tofu_metrics@eval.tofu.metrics.{FLUENCY_METRIC}={FLUENCY_METRIC}")
+            if not cuda:
+                overrides.append(f"eval.tofu.metrics.{FLUENCY_METRIC}.device=cpu")
+        return overrides
 
     def paper_sections(self, rows: Mapping[str, EvaluatedModel]) -> list[str]:
         """The report's Markdown sections with the paper's further tables of `rows`."""
@@ -167,6 +180,7 @@ TOFU = Scorecard(
     title="Retain utility vs forget quality (faint: other learning rates)",
     plot_file="mu_vs_fq.png",
     log_y=True,
+    adds_paper_metrics=True,
     paper_tables=(
         (
             "The paper's Table 1: utility, memorization, truth ratios",
@@ -240,17 +254,6 @@ def select_run(
     if kept:
         return max(kept, key=scorecard.forgetting_score)
     return max(runs, key=lambda run: run.metrics[scorecard.utility] or 0.0)
-
-
-def paper_metric_overrides(fluency: bool, cuda: bool) -> list[str]:
-    """Hydra overrides adding the paper's metrics to a TOFU evaluation; `fluency` when its classifier is
-    available (it runs on CUDA unless `cuda` is false)."""
-    overrides = [f"+eval/tofu_metrics@eval.tofu.metrics.{name}={name}" for name in PAPER_METRICS]
-    if fluency:
-        overrides.append(f"+eval/tofu_metrics@eval.tofu.metrics.{FLUENCY_METRIC}={FLUENCY_METRIC}")
-        if not cuda:
-            overrides.append(f"eval.tofu.metrics.{FLUENCY_METRIC}.device=cpu")
-    return overrides
 
 
 def fluency_classifier_available() -> bool:
