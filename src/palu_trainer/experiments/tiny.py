@@ -1,5 +1,6 @@
 """Small models made from scratch: a byte-level BPE tokenizer and a Llama, for tests and offline demos."""
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -9,8 +10,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over `texts`; BOS is prepended on encode, as Llama tokenizers do."""
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, padded_vocab_size: int | None = None
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over `texts`; BOS is prepended on encode, as Llama tokenizers do.
+
+    padded_vocab_size: fill the vocabulary up to this many entries with `<unused_i>` tokens that no merge
+    produces, as large real vocabularies carry many tokens a small corpus never uses (|V| = 32000 for a
+    model whose loss code must see Llama-2's |V| on a tokenizer trained on TOFU's text).
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -21,7 +29,18 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrai
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    if padded_vocab_size is not None:
+        tokenizer = with_unused_tokens(tokenizer, padded_vocab_size)
     return as_llama_style(tokenizer)
+
+
+def with_unused_tokens(tokenizer: Tokenizer, size: int) -> Tokenizer:
+    """The same BPE with its vocabulary filled up to `size` entries by tokens that no merge reaches."""
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for index in range(len(vocab), size):
+        vocab[f"<unused_{index}>"] = index
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def as_llama_style(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
@@ -44,8 +63,10 @@ def make_tiny_llama(
     num_layers: int = 2,
     num_heads: int = 4,
     seed: int = 0,
+    tie_word_embeddings: bool = False,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama sized to the tokenizer's vocabulary."""
+    """A randomly initialised Llama sized to the tokenizer's vocabulary; tied output embeddings as
+    Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B."""
     import torch
 
     torch.manual_seed(seed)
@@ -60,17 +81,22 @@ def make_tiny_llama(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     return LlamaForCausalLM(config)
 
 
 def save_tiny_model(
-    directory: str | Path, texts: Iterable[str], vocab_size: int = 2048, **model_kwargs
+    directory: str | Path,
+    texts: Iterable[str],
+    vocab_size: int = 2048,
+    padded_vocab_size: int | None = None,
+    **model_kwargs,
 ) -> Path:
-    """Train a tokenizer on `texts`, build a Llama for it and save both with save_pretrained."""
+    """Train a tokenizer on `texts` (see `train_bpe_tokenizer`), build a Llama for it and save both with
+    save_pretrained."""
     directory = Path(directory)
-    tokenizer = train_bpe_tokenizer(texts, vocab_size)
+    tokenizer = train_bpe_tokenizer(texts, vocab_size, padded_vocab_size)
     make_tiny_llama(tokenizer, **model_kwargs).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
