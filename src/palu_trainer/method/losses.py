@@ -52,6 +52,12 @@ class ReferenceTargets:
     common_tail_mass: torch.Tensor | None = None
     common_log_tail_mass: torch.Tensor | None = None
 
+    def initiating_rows(self, rows: slice) -> "ReferenceTargets":
+        """The same targets with only the initiating positions `rows` (common fields unchanged)."""
+        return dataclasses.replace(
+            self, topk_indices=self.topk_indices[rows], logit_mean=self.logit_mean[rows]
+        )
+
     def common_rows(self, rows: slice) -> "ReferenceTargets":
         """The same targets with only the common positions `rows` (initiating fields unchanged)."""
         sliced = {
@@ -60,6 +66,35 @@ class ReferenceTargets:
             if field.name.startswith("common_") and getattr(self, field.name) is not None
         }
         return dataclasses.replace(self, **sliced)
+
+
+@dataclass
+class ReferenceFromModel:
+    """The reference's targets computed from its final hidden states, a chunk of positions at a time, so
+    that no (C, V) P_ref is ever held: the reference-model path's counterpart of `ReferenceTargets`, with
+    the same `initiating_rows` / `common_rows` (each projects only those rows, without gradient).
+
+    initiating_hidden: (M, d) and common_hidden: (C, d) the reference's final hidden states at the
+    positions that predict initiating and common tokens. project: (n, d) -> (n, V), the reference's output
+    projection. top_k: K. kl_direction: what the common rows keep (see `ReferenceTargets`).
+    """
+
+    initiating_hidden: torch.Tensor
+    common_hidden: torch.Tensor
+    project: Callable
+    top_k: int
+    kl_direction: str = "ref_to_policy"
+
+    def initiating_rows(self, rows: slice) -> ReferenceTargets:
+        with torch.no_grad():
+            logits = at_least_fp32(self.project(self.initiating_hidden[rows]))
+            return ReferenceTargets(**initiating_targets(logits, self.top_k))
+
+    def common_rows(self, rows: slice) -> ReferenceTargets:
+        with torch.no_grad():
+            logits = at_least_fp32(self.project(self.common_hidden[rows]))
+            empty = logits.new_zeros((0,), dtype=torch.long)
+            return ReferenceTargets(empty, empty, **common_targets(logits, self.kl_direction))
 
 
 def predicting_rows(roles: torch.Tensor, role: TokenRole) -> torch.Tensor:
@@ -190,33 +225,47 @@ def targets_from_selected(
     mass (see `ReferenceTargets`).
     """
     check_kl_direction(kl_direction)
+    return ReferenceTargets(
+        **initiating_targets(initiating, top_k), **common_targets(common, kl_direction, top_m)
+    )
+
+
+def initiating_targets(logits: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """`ReferenceTargets`' initiating fields from the reference's logits there (M, V)."""
     with torch.no_grad():
-        initiating, common = at_least_fp32(initiating), at_least_fp32(common)
-        targets = ReferenceTargets(
-            topk_indices=initiating.topk(top_k, dim=-1).indices, logit_mean=initiating.mean(dim=-1)
-        )
+        logits = at_least_fp32(logits)
+        return {"topk_indices": logits.topk(top_k, dim=-1).indices, "logit_mean": logits.mean(dim=-1)}
+
+
+def common_targets(
+    logits: torch.Tensor, kl_direction: str = "ref_to_policy", top_m: int | None = None
+) -> dict[str, torch.Tensor]:
+    """`ReferenceTargets`' common fields for `kl_direction` from the reference's logits there (C, V)."""
+    with torch.no_grad():
+        logits = at_least_fp32(logits)
         if top_m is not None:
-            log_probs = F.log_softmax(common, dim=-1)
+            log_probs = F.log_softmax(logits, dim=-1)
             top = log_probs.topk(top_m, dim=-1)
             # log r from the tail's own entries: 1 − Σ top would cancel to 0 for a small tail
             log_tail = log_probs.scatter(-1, top.indices, -math.inf).logsumexp(dim=-1)
-            targets.common_indices = top.indices
             if kl_direction == "policy_to_ref":
-                targets.common_log_probs, targets.common_log_tail_mass = top.values, log_tail
-            else:
-                probs, tail = top.values.exp(), log_tail.exp()
-                targets.common_probs, targets.common_tail_mass = probs, tail
-                targets.common_neg_entropy = torch.special.xlogy(probs, probs).sum(-1) + (
-                    torch.special.xlogy(tail, tail)
-                )
-        elif kl_direction == "policy_to_ref":
-            targets.common_log_probs = F.log_softmax(common, dim=-1)
-        else:
-            targets.common_probs = F.softmax(common, dim=-1)
-            targets.common_neg_entropy = torch.special.xlogy(targets.common_probs, targets.common_probs).sum(
-                -1
-            )
-        return targets
+                return {
+                    "common_indices": top.indices,
+                    "common_log_probs": top.values,
+                    "common_log_tail_mass": log_tail,
+                }
+            probs, tail = top.values.exp(), log_tail.exp()
+            neg_entropy = torch.special.xlogy(probs, probs).sum(-1) + torch.special.xlogy(tail, tail)
+            return {
+                "common_indices": top.indices,
+                "common_probs": probs,
+                "common_tail_mass": tail,
+                "common_neg_entropy": neg_entropy,
+            }
+        if kl_direction == "policy_to_ref":
+            return {"common_log_probs": F.log_softmax(logits, dim=-1)}
+        probs = F.softmax(logits, dim=-1)
+        return {"common_probs": probs, "common_neg_entropy": torch.special.xlogy(probs, probs).sum(-1)}
 
 
 def local_entropy_loss(
@@ -492,21 +541,12 @@ def reference_kl_loss(
     return common_kl_loss(logits, reference.common_probs, reference.common_neg_entropy)
 
 
-def project_at_positions(hidden: torch.Tensor, project: Callable, rows: torch.Tensor) -> torch.Tensor:
-    """Logits at some positions only: `project` (the model's output projection) on their hidden states.
-
-    Args:
-        hidden: (B, T, d) final hidden states (after the last norm). project: (N, d) -> (N, V).
-        rows: (N,) flat positions into `hidden.view(B * T, d)`.
-
-    Returns:
-        (N, V) logits, at least fp32, equal to the full (B, T, V) logits' rows `rows`.
-    """
-    return at_least_fp32(project(flat_hidden_rows(hidden, rows)))
-
-
 def mean_over_chunks(
-    hidden: torch.Tensor, project: Callable, row_loss: Callable, chunk_rows: int
+    hidden: torch.Tensor,
+    project: Callable,
+    row_loss: Callable,
+    chunk_rows: int | None,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
     """A mean-over-rows loss of the logits `project(hidden)` (N, V), never holding more than `chunk_rows`
     rows of logits: each chunk's projection and loss run under activation checkpointing (recomputed in
@@ -514,29 +554,47 @@ def mean_over_chunks(
 
     Args:
         hidden: (N, d) hidden states of the rows. project: (n, d) -> (n, V).
-        row_loss: (logits (n, V), rows: slice) -> the mean of the loss over those rows (scalar).
+        row_loss: (logits (n, V), rows: slice) -> the mean of the loss over those rows (scalar); also
+            called on a padding chunk's zero rows (with whatever reference projection it makes), where it
+            must return 0.
         chunk_rows: rows per chunk (see `logit_chunk_rows`); None: one chunk.
+        num_chunks: call `project` exactly this many times, forward and backward alike (at least
+            `chunk_count(N, chunk_rows)`): the chunks past the rows project zero rows and add exactly 0.
+            Under ZeRO-3 each call of the partitioned projection is a collective, so every rank must make
+            as many as the others (see `chunk_count`); None: as many as the rows need.
 
     Returns:
         Scalar, equal to `row_loss(project(hidden), slice(None))`; exactly 0 when N == 0.
     """
     total = hidden.shape[0]
-    if total == 0:
+    chunk_rows = chunk_rows or max(total, 1)
+    needed = chunk_count(total, chunk_rows)
+    num_chunks = needed if num_chunks is None else num_chunks
+    if num_chunks < needed:
+        raise ValueError(f"num_chunks={num_chunks}: {total} rows need {needed} chunks of {chunk_rows}")
+    if num_chunks == 0:
         return hidden.new_zeros((), dtype=torch.float32)
 
     def chunk_loss(chunk_hidden, rows):
-        return row_loss(at_least_fp32(project(chunk_hidden)), rows)
+        logits = at_least_fp32(project(chunk_hidden))
+        loss = row_loss(logits, rows)
+        # a padding chunk adds exactly 0, through the projection: its parameters get their (zero) gradient
+        return loss + logits.sum() if rows.start == rows.stop else loss
 
-    chunk_rows = chunk_rows or total
     parts = []
-    for start in range(0, total, chunk_rows):
-        rows = slice(start, min(start + chunk_rows, total))
-        share = (rows.stop - rows.start) / total
+    for chunk in range(num_chunks):
+        rows = slice(min(chunk * chunk_rows, total), min((chunk + 1) * chunk_rows, total))
+        share = (rows.stop - rows.start) / total if total else 0.0
         if torch.is_grad_enabled():
             parts.append(share * checkpoint(chunk_loss, hidden[rows], rows, use_reentrant=False))
         else:
             parts.append(share * chunk_loss(hidden[rows], rows))
     return torch.stack(parts).sum()
+
+
+def chunk_count(rows: int, chunk_rows: int) -> int:
+    """Chunks of at most `chunk_rows` that `rows` positions need (0 for none)."""
+    return -(-rows // chunk_rows)
 
 
 def logit_chunk_rows(vocab_size: int) -> int:
@@ -549,36 +607,77 @@ def flat_hidden_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
 
 
+def forget_hidden(hidden: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states (B, T, d) at the positions that predict initiating (M, d) and common (C, d)
+    tokens (see `forget_rows`)."""
+    return tuple(flat_hidden_rows(hidden, rows) for rows in forget_rows(roles))
+
+
+def reference_targets_at_positions(
+    hidden: torch.Tensor,
+    project: Callable,
+    roles: torch.Tensor,
+    top_k: int,
+    kl_direction: str,
+    top_m: int | None,
+    chunk_rows: int | None = None,
+) -> ReferenceTargets:
+    """`reference_targets` from the reference's final hidden states (B, T, d), its output projection
+    `project` run `chunk_rows` positions at a time (at least once per kind, also for none): with top_m
+    set, never more than `chunk_rows` × V logits are held."""
+
+    def in_chunks(rows_hidden, fields):
+        step = chunk_rows or max(len(rows_hidden), 1)
+        starts = range(0, max(len(rows_hidden), 1), step)
+        parts = [fields(at_least_fp32(project(rows_hidden[start : start + step]))) for start in starts]
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+    initiating_hidden, common_hidden = forget_hidden(hidden, roles)
+    with torch.no_grad():
+        return ReferenceTargets(
+            **in_chunks(initiating_hidden, lambda logits: initiating_targets(logits, top_k)),
+            **in_chunks(common_hidden, lambda logits: common_targets(logits, kl_direction, top_m)),
+        )
+
+
 def palu_forget_loss_at_positions(
     hidden: torch.Tensor,
     project: Callable,
     roles: torch.Tensor,
-    reference: ReferenceTargets,
+    reference: "ReferenceTargets | ReferenceFromModel",
     target: str = "global_mean",
     target_gradient: bool = False,
     kl_direction: str = "ref_to_policy",
     chunk_rows: int | None = None,
+    num_chunks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`palu_forget_loss` from the final hidden states (B, T, d): the output projection `project`
     ((n, d) -> (n, V)) runs only at the initiating and common positions, `chunk_rows` positions at a
     time (None: all at once; see `mean_over_chunks` and `logit_chunk_rows`). Same values and gradients
-    as projecting every position."""
-    initiating, common = forget_rows(roles)
+    as projecting every position.
+
+    reference: `ReferenceTargets` (cached), or `ReferenceFromModel`, whose targets are projected chunk by
+    chunk inside the same checkpointed chunks. num_chunks: (initiating, common) projection calls, for
+    ZeRO-3 (see `mean_over_chunks`); None: as many as the rows need.
+    """
+    initiating_chunks, common_chunks = num_chunks or (None, None)
 
     def local_rows(logits, rows):
+        chunk_reference = reference.initiating_rows(rows)
         return local_entropy_loss(
             logits,
-            reference.topk_indices[rows],
+            chunk_reference.topk_indices,
             target=target,
-            reference_logit_mean=reference.logit_mean[rows],
+            reference_logit_mean=chunk_reference.logit_mean,
             target_gradient=target_gradient,
         )
 
     def kl_rows(logits, rows):
         return reference_kl_loss(logits, reference.common_rows(rows), kl_direction)
 
-    local = mean_over_chunks(flat_hidden_rows(hidden, initiating), project, local_rows, chunk_rows)
-    return local, mean_over_chunks(flat_hidden_rows(hidden, common), project, kl_rows, chunk_rows)
+    initiating_hidden, common_hidden = forget_hidden(hidden, roles)
+    local = mean_over_chunks(initiating_hidden, project, local_rows, chunk_rows, initiating_chunks)
+    return local, mean_over_chunks(common_hidden, project, kl_rows, chunk_rows, common_chunks)
 
 
 def palu_forget_loss(
@@ -613,11 +712,20 @@ def palu_forget_loss(
     return local, reference_kl_loss(common, reference, kl_direction)
 
 
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(N, 2) (row, t) of the positions t that predict a label (labels (B, T), -100 where none)."""
+    return torch.nonzero(labels[:, 1:] != -100)
+
+
 def label_nll_at_positions(
-    hidden: torch.Tensor, project: Callable, labels: torch.Tensor, chunk_rows: int | None = None
+    hidden: torch.Tensor,
+    project: Callable,
+    labels: torch.Tensor,
+    chunk_rows: int | None = None,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
     """Mean next-token NLL over label positions, projecting only the positions that predict a label,
-    `chunk_rows` at a time (see `palu_forget_loss_at_positions`).
+    `chunk_rows` at a time, in `num_chunks` calls (see `palu_forget_loss_at_positions`).
 
     Args:
         hidden: (B, T, d) final hidden states. project: (n, d) -> (n, V). labels: (B, T), -100 where
@@ -626,11 +734,14 @@ def label_nll_at_positions(
     Returns:
         Scalar fp32, the causal-LM loss of `model(labels=...)`; exactly 0 when no label.
     """
-    predicted = labels[:, 1:]
-    rows = torch.nonzero(predicted != -100)
-    targets = predicted[rows[:, 0], rows[:, 1]]
+    rows = label_positions(labels)
+    targets = labels[:, 1:][rows[:, 0], rows[:, 1]]
     flat = flat_hidden_rows(hidden, rows[:, 0] * labels.shape[1] + rows[:, 1])
-    return mean_over_chunks(flat, project, lambda logits, r: F.cross_entropy(logits, targets[r]), chunk_rows)
+
+    def mean_nll(logits, rows):
+        return F.cross_entropy(logits, targets[rows]) if len(logits) else logits.new_zeros(())
+
+    return mean_over_chunks(flat, project, mean_nll, chunk_rows, num_chunks)
 
 
 def palu_loss(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from palu_trainer.method.losses import ReferenceTargets, targets_from_selected
+from palu_trainer.method.losses import ReferenceTargets
 from palu_trainer.method.roles import TokenRole
 
 logger = logging.getLogger(__name__)
@@ -100,21 +100,17 @@ class ReferenceCache:
 
 
 def build_reference_cache(
-    selected_logits: Callable[[dict], tuple[torch.Tensor, torch.Tensor]],
+    batch_targets: Callable[[dict], ReferenceTargets],
     batches: Iterable[dict],
-    top_k: int,
-    top_m: int,
     dtype: torch.dtype = torch.float32,
-    kl_direction: str = "ref_to_policy",
 ) -> ReferenceCache:
-    """Run `selected_logits` over collated forget batches and keep each row's targets on the host.
+    """Run `batch_targets` over collated forget batches and keep each row's targets on the host.
 
-    `selected_logits(batch)` gives the reference's logits at the batch's initiating (M, V) and common
-    (C, V) positions, in row-major order (see `losses.forget_rows`). Each batch needs `input_ids`,
-    `attention_mask`, `token_roles` and `index`. Called identically on every rank, so that ZeRO-3's
-    collective forwards line up; each rank keeps the whole forget set. `top_k` is K and `top_m` m as
-    resolved against |V|; `dtype` stores the (log) probabilities (see `cache_dtype`); `kl_direction` picks
-    what is kept on common positions (see `ReferenceCache`).
+    `batch_targets(batch)` gives the reference's targets for the batch's initiating and common positions,
+    in row-major order (see `losses.forget_rows`), in the top-m form for a bounded cache (see
+    `losses.reference_targets_at_positions`). Each batch needs `input_ids`, `attention_mask`,
+    `token_roles` and `index`. Called identically on every rank, so that ZeRO-3's collective forwards line
+    up; each rank keeps the whole forget set. `dtype` stores the (log) probabilities (see `cache_dtype`).
     """
     cache = ReferenceCache()
     dtypes = {
@@ -125,7 +121,7 @@ def build_reference_cache(
     }
     with torch.no_grad():
         for batch in batches:
-            targets = targets_from_selected(*selected_logits(batch), top_k, kl_direction, top_m)
+            targets = batch_targets(batch)
             counts = [count_positions([row_roles]) for row_roles in batch["token_roles"]]
             sizes = {"initiating": [m for m, _ in counts], "common": [c for _, c in counts]}
             for name, value in vars(targets).items():

@@ -7,16 +7,20 @@ import torch
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.method.losses import (
+    ReferenceFromModel,
     check_kl_direction,
     check_kl_weight,
     check_target,
+    chunk_count,
+    forget_hidden,
     forget_rows,
     label_nll_at_positions,
+    label_positions,
     logit_chunk_rows,
     palu_forget_loss,
     palu_forget_loss_at_positions,
     palu_loss,
-    project_at_positions,
+    reference_targets_at_positions,
     resolve_top_k,
     select_predictions,
     targets_from_selected,
@@ -213,19 +217,35 @@ class PALUTrainer(GradDiff):
         return outputs.hidden_states[-1], outputs
 
     def _output_projection(self, model):
-        """Called as a module (not its weight) so that ZeRO-3 gathers it; tied embeddings included."""
-        return self.accelerator.unwrap_model(model).get_output_embeddings()
+        """The output projection as the model's own forward runs it: called as a module (not its weight) so
+        that ZeRO-3 gathers it, tied embeddings included, and under the accelerator's autocast, since
+        mixed precision wraps only `model.forward` (whose outputs it converts to fp32) while the weight
+        stays in the model's dtype."""
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
 
-    def _selected_logits(self, model, inputs, roles):
-        """The reference's logits at the initiating (M, V) and common (C, V) positions (no gradient)."""
-        if not self.projects_at_positions:
-            return select_predictions(model(**inputs).logits, roles)
-        hidden, _ = self._final_hidden(model, inputs)
-        initiating, common = forget_rows(roles)
-        selected = project_at_positions(
-            hidden, self._output_projection(model), torch.cat([initiating, common])
-        )
-        return selected[: len(initiating)], selected[len(initiating) :]
+        def project(hidden):
+            with self.accelerator.autocast():
+                return head(hidden)
+
+        return project
+
+    def _reference_targets(self, model, inputs, roles, top_m):
+        """The targets of `model` (the reference) for a forget batch, without gradient: top-K at the
+        initiating positions and, at the common ones, P_ref in the top-m form (`top_m`; None: all of V)."""
+        with torch.no_grad():
+            if not self.projects_at_positions:
+                selected = select_predictions(model(**inputs).logits, roles)
+                return targets_from_selected(*selected, self.top_k, self.kl_direction, top_m)
+            hidden, _ = self._final_hidden(model, inputs)
+            return reference_targets_at_positions(
+                hidden,
+                self._output_projection(model),
+                roles,
+                self.top_k,
+                self.kl_direction,
+                top_m,
+                self.logit_chunk_rows,
+            )
 
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
@@ -245,20 +265,44 @@ class PALUTrainer(GradDiff):
         was_training = model.training
         model.eval()
         cache = build_reference_cache(
-            lambda batch: self._selected_logits(
+            lambda batch: self._reference_targets(
                 model,
                 {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
                 batch["token_roles"],
+                self.reference_cache_top_m,
             ),
             batches,
-            self.top_k,
-            self.reference_cache_top_m,
             self.reference_cache_dtype,
-            self.kl_direction,
         )
         model.train(was_training)
         logger.info(describe(cache, self.top_k, self.reference_cache_dtype))
         return cache
+
+    def _projection_calls(self, *row_counts: int) -> list[int]:
+        """Chunks of `logit_chunk_rows` that each count of positions needs, the most over all ranks: under
+        ZeRO-3 every call of the partitioned output projection is a collective, so every rank must make as
+        many as the others in each step (forward and checkpointed recompute alike)."""
+        counts = torch.tensor([chunk_count(rows, self.logit_chunk_rows) for rows in row_counts])
+        if self.accelerator.num_processes > 1:
+            counts = counts.to(self.accelerator.device)
+            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+        return counts.tolist()
+
+    def _reference(self, forward_inputs, roles, row_indices):
+        """This batch's reference targets: from the cache (by the rows' dataset indices), or from the
+        reference model (chunk by chunk inside the loss's chunks when projecting at positions)."""
+        if self.uses_reference_cache:
+            return self.reference_cache.targets(row_indices, roles, roles.device)
+        if not self.projects_at_positions:
+            return self._reference_targets(self.ref_model, forward_inputs, roles, top_m=None)
+        with torch.no_grad():
+            hidden, _ = self._final_hidden(self.ref_model, forward_inputs)
+        return ReferenceFromModel(
+            *forget_hidden(hidden, roles),
+            self._output_projection(self.ref_model),
+            self.top_k,
+            self.kl_direction,
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False):
         if self.uses_reference_cache and self.reference_cache is None:
@@ -266,17 +310,24 @@ class PALUTrainer(GradDiff):
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
         roles = forget["token_roles"]
-        if self.uses_reference_cache:
-            reference = self.reference_cache.targets(forget["index"], roles, roles.device)
-        else:
-            with torch.no_grad():
-                selected = self._selected_logits(self.ref_model, forward_inputs, roles)
-                reference = targets_from_selected(*selected, self.top_k, self.kl_direction)
+        reference = self._reference(forward_inputs, roles, forget["index"])
         loss_options = (self.target, self.target_gradient, self.kl_direction)
+        retain_at_positions = self.retain_loss_type == "NLL" and self.projects_at_positions
         if self.projects_at_positions:
+            retain_labels = inputs["retain"]["labels"] if retain_at_positions else None
+            *forget_calls, retain_calls = self._projection_calls(
+                *(len(rows) for rows in forget_rows(roles)),
+                0 if retain_labels is None else len(label_positions(retain_labels)),
+            )
             hidden, forget_outputs = self._final_hidden(model, forward_inputs)
             local_loss, kl_loss = palu_forget_loss_at_positions(
-                hidden, self._output_projection(model), roles, reference, *loss_options, self.logit_chunk_rows
+                hidden,
+                self._output_projection(model),
+                roles,
+                reference,
+                *loss_options,
+                self.logit_chunk_rows,
+                forget_calls,
             )
         else:
             forget_outputs = model(**forward_inputs)
@@ -287,10 +338,14 @@ class PALUTrainer(GradDiff):
         else:
             retain = inputs["retain"]
             retain_inputs = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
-            if self.retain_loss_type == "NLL" and self.projects_at_positions:
+            if retain_at_positions:
                 hidden, _ = self._final_hidden(model, retain_inputs)
                 retain_loss = label_nll_at_positions(
-                    hidden, self._output_projection(model), retain_inputs["labels"], self.logit_chunk_rows
+                    hidden,
+                    self._output_projection(model),
+                    retain_inputs["labels"],
+                    self.logit_chunk_rows,
+                    retain_calls,
                 )
             else:
                 retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
