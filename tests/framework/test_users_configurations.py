@@ -106,6 +106,7 @@ def train(model_dir, method, bf16, forget_rows_and_spans, retain_row, tmp_path, 
     )
     trainer.use_cpu_amp = False  # as on CUDA: mixed precision only through accelerate's wrapped forward
     trainer.train()
+    assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert trainer.accelerator.native_amp == bf16
     assert trainer.model.dtype == (torch.bfloat16 if bf16 else torch.float32)
     return [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -137,3 +138,20 @@ def test_bf16_on_one_gpu_trains_as_fp32_does(
     if method.startswith("PALU"):
         assert sum(entry["n_initiating"] for entry in runs[True]) > 0
         assert max(entry["local_loss"] for entry in runs[True]) > 0
+
+
+def test_gradient_checkpointing_recomputes_without_reentrant_passes_unless_told(tmp_path):
+    """Reentrant checkpointing gives each parameter two gradients per step (forget and retain forwards),
+    which ZeRO-3 reduces separately: a wrong step (tests/framework/test_distributed.py measures it)."""
+    from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+
+    def arguments(**options):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **options)
+        use_non_reentrant_checkpointing(args)
+        return args.gradient_checkpointing_kwargs
+
+    assert arguments(gradient_checkpointing=True) == {"use_reentrant": False}
+    assert arguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}) == {
+        "use_reentrant": True
+    }
+    assert arguments(gradient_checkpointing=False) is None

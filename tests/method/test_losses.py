@@ -7,17 +7,21 @@ import torch.nn.functional as F
 
 from palu_trainer.method.losses import (
     TARGETS,
+    ReferenceFromModel,
     check_kl_weight,
     common_kl_loss,
     common_kl_to_reference_loss,
+    forget_hidden,
     label_nll_at_positions,
     local_entropy_loss,
+    mean_over_chunks,
     palu_forget_loss,
     palu_forget_loss_at_positions,
     palu_loss,
     predicting_rows,
     reference_kl_loss,
     reference_targets,
+    reference_targets_at_positions,
     resolve_top_k,
     select_predictions,
     targets_from_selected,
@@ -412,3 +416,106 @@ def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
     )  # predict nothing read
     no_labels = torch.full_like(labels, -100)
     assert label_nll_at_positions(hidden, project, no_labels, chunk_rows).item() == 0.0
+
+
+class CountingProjection(torch.nn.Linear):
+    """A Linear that counts its calls, as ZeRO-3 counts the collectives of a partitioned module."""
+
+    calls = 0
+
+    def forward(self, hidden):
+        self.calls += 1
+        return super().forward(hidden)
+
+
+ROLES = torch.tensor([[IGN, IGN, COM, INI, INI, RED, COM], [IGN, INI, RED, COM, COM, IGN, IGN]])
+LABELS = torch.tensor([[-100, -100, 5, 6, 7, 8, 9], [-100, 1, 2, 3, 4, -100, -100]])
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
+@pytest.mark.parametrize(
+    "roles", [ROLES, torch.where(ROLES == INI, RED, ROLES)], ids=["spans", "no-initiating"]
+)
+def test_padding_chunks_make_exactly_the_projection_calls_asked_and_add_nothing(recompute, roles):
+    """Under ZeRO-3 every rank must call the output projection as often as the others: the calls asked
+    for, forward and backward alike, also with no initiating position, with the same terms and gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16)
+    project = CountingProjection(16, 40)
+    reference = reference_targets(torch.randn(2, 7, 40), roles, 5, "ref_to_policy", 8)
+
+    def run(initiating_calls, common_calls, retain_calls):
+        project.zero_grad()
+        project.calls = 0
+        leaf = hidden.clone().requires_grad_(True)
+        options = ("global_mean", False, "ref_to_policy", 2)
+        calls = None if initiating_calls is None else (initiating_calls, common_calls)
+        terms = [*palu_forget_loss_at_positions(leaf, project, roles, reference, *options, calls, recompute)]
+        terms.append(label_nll_at_positions(leaf, project, LABELS, 2, retain_calls, recompute))
+        forward_calls = project.calls
+        torch.stack(terms).sum().backward()
+        return (
+            torch.stack(terms).detach(),
+            leaf.grad,
+            project.weight.grad.clone(),
+            forward_calls,
+            project.calls,
+        )
+
+    needed = run(None, None, None)
+    padded = run(5, 6, 7)
+    assert padded[3] == 5 + 6 + 7
+    assert padded[4] == 2 * padded[3] if recompute else padded[4] == padded[3]
+    assert needed[3] < padded[3]
+    torch.testing.assert_close(padded[:3], needed[:3], rtol=1e-6, atol=1e-8)
+    assert (needed[0][1:] > 0.1).all()
+    if not (roles == INI).any():
+        assert needed[0][0] == 0.0
+    with pytest.raises(ValueError, match="num_chunks=1: 4 rows need 2 chunks of 2"):
+        mean_over_chunks(hidden[0, :4], project, lambda logits, rows: logits.sum(), 2, 1)
+
+
+@pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
+def test_reference_model_chunk_by_chunk_gives_the_full_reference_losses_and_gradients(kl_direction):
+    """The reference model's targets projected inside each chunk (no (C, V) P_ref held) against the
+    targets from its full logits."""
+    torch.manual_seed(0)
+    hidden, reference_hidden = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
+    project, reference_project = torch.nn.Linear(16, 40), CountingProjection(16, 40)
+    with torch.no_grad():
+        full_reference = reference_targets(reference_project(reference_hidden), ROLES, 5, kl_direction)
+    from_model = ReferenceFromModel(
+        *forget_hidden(reference_hidden, ROLES), reference_project, 5, kl_direction
+    )
+    options = ("global_mean", False, kl_direction, 2)
+
+    def losses_and_gradients(reference):
+        project.zero_grad()
+        leaf = hidden.clone().requires_grad_(True)
+        terms = torch.stack(palu_forget_loss_at_positions(leaf, project, ROLES, reference, *options))
+        terms.sum().backward()
+        return terms.detach(), leaf.grad, project.weight.grad.clone()
+
+    reference_project.calls = 0
+    chunked = losses_and_gradients(from_model)
+    assert reference_project.calls == 2 * (2 + 2)  # 3 initiating, 4 common rows in chunks of 2, recomputed
+    assert reference_project.weight.grad is None
+    full = losses_and_gradients(full_reference)
+    assert (full[0] > 0).all()
+    torch.testing.assert_close(chunked, full, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
+def test_reference_targets_in_chunks_equal_the_full_logits_targets(kl_direction):
+    torch.manual_seed(0)
+    hidden, project = torch.randn(2, 7, 16), torch.nn.Linear(16, 40)
+    chunked = reference_targets_at_positions(hidden, project, ROLES, 5, kl_direction, 8, chunk_rows=1)
+    with torch.no_grad():
+        full = reference_targets(project(hidden), ROLES, 5, kl_direction, 8)
+    for name, value in vars(full).items():
+        if value is None:
+            assert getattr(chunked, name) is None, name
+        else:
+            torch.testing.assert_close(getattr(chunked, name), value, msg=name)
+    none = reference_targets_at_positions(hidden, project, torch.full_like(ROLES, IGN), 5, kl_direction, 8, 2)
+    assert none.topk_indices.shape == (0, 5) and none.common_indices.shape == (0, 8)

@@ -547,6 +547,7 @@ def mean_over_chunks(
     row_loss: Callable,
     chunk_rows: int | None,
     num_chunks: int | None = None,
+    recompute: bool = True,
 ) -> torch.Tensor:
     """A mean-over-rows loss of the logits `project(hidden)` (N, V), never holding more than `chunk_rows`
     rows of logits: each chunk's projection and loss run under activation checkpointing (recomputed in
@@ -562,6 +563,9 @@ def mean_over_chunks(
             `chunk_count(N, chunk_rows)`): the chunks past the rows project zero rows and add exactly 0.
             Under ZeRO-3 each call of the partitioned projection is a collective, so every rank must make
             as many as the others (see `chunk_count`); None: as many as the rows need.
+        recompute: False keeps each chunk's activations for the backward instead of recomputing them:
+            under ZeRO-3, where a recompute inside the backward gathers and releases the projection's
+            parameters around ZeRO-3's own backward gathering of them, which breaks the step.
 
     Returns:
         Scalar, equal to `row_loss(project(hidden), slice(None))`; exactly 0 when N == 0.
@@ -576,16 +580,19 @@ def mean_over_chunks(
         return hidden.new_zeros((), dtype=torch.float32)
 
     def chunk_loss(chunk_hidden, rows):
-        logits = at_least_fp32(project(chunk_hidden))
-        loss = row_loss(logits, rows)
-        # a padding chunk adds exactly 0, through the projection: its parameters get their (zero) gradient
-        return loss + logits.sum() if rows.start == rows.stop else loss
+        if rows.start < rows.stop:
+            return row_loss(at_least_fp32(project(chunk_hidden)), rows)
+        # A padding chunk adds exactly 0 through the projection, so that its parameters are gathered and
+        # get their (zero) gradient as on every other rank. It projects one zero row, not none: ZeRO-3
+        # gathers a module for its backward only when its output has elements.
+        padding = at_least_fp32(project(chunk_hidden.new_zeros((1, chunk_hidden.shape[-1]))))
+        return row_loss(padding[:0], rows) + 0.0 * padding.sum()
 
     parts = []
     for chunk in range(num_chunks):
         rows = slice(min(chunk * chunk_rows, total), min((chunk + 1) * chunk_rows, total))
         share = (rows.stop - rows.start) / total if total else 0.0
-        if torch.is_grad_enabled():
+        if recompute and torch.is_grad_enabled():
             parts.append(share * checkpoint(chunk_loss, hidden[rows], rows, use_reentrant=False))
         else:
             parts.append(share * chunk_loss(hidden[rows], rows))
@@ -650,6 +657,7 @@ def palu_forget_loss_at_positions(
     kl_direction: str = "ref_to_policy",
     chunk_rows: int | None = None,
     num_chunks: tuple[int, int] | None = None,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`palu_forget_loss` from the final hidden states (B, T, d): the output projection `project`
     ((n, d) -> (n, V)) runs only at the initiating and common positions, `chunk_rows` positions at a
@@ -658,7 +666,7 @@ def palu_forget_loss_at_positions(
 
     reference: `ReferenceTargets` (cached), or `ReferenceFromModel`, whose targets are projected chunk by
     chunk inside the same checkpointed chunks. num_chunks: (initiating, common) projection calls, for
-    ZeRO-3 (see `mean_over_chunks`); None: as many as the rows need.
+    ZeRO-3 (see `mean_over_chunks`); None: as many as the rows need. recompute: see `mean_over_chunks`.
     """
     initiating_chunks, common_chunks = num_chunks or (None, None)
 
@@ -676,8 +684,8 @@ def palu_forget_loss_at_positions(
         return reference_kl_loss(logits, reference.common_rows(rows), kl_direction)
 
     initiating_hidden, common_hidden = forget_hidden(hidden, roles)
-    local = mean_over_chunks(initiating_hidden, project, local_rows, chunk_rows, initiating_chunks)
-    return local, mean_over_chunks(common_hidden, project, kl_rows, chunk_rows, common_chunks)
+    local = mean_over_chunks(initiating_hidden, project, local_rows, chunk_rows, initiating_chunks, recompute)
+    return local, mean_over_chunks(common_hidden, project, kl_rows, chunk_rows, common_chunks, recompute)
 
 
 def palu_forget_loss(
@@ -723,6 +731,7 @@ def label_nll_at_positions(
     labels: torch.Tensor,
     chunk_rows: int | None = None,
     num_chunks: int | None = None,
+    recompute: bool = True,
 ) -> torch.Tensor:
     """Mean next-token NLL over label positions, projecting only the positions that predict a label,
     `chunk_rows` at a time, in `num_chunks` calls (see `palu_forget_loss_at_positions`).
@@ -741,7 +750,7 @@ def label_nll_at_positions(
     def mean_nll(logits, rows):
         return F.cross_entropy(logits, targets[rows]) if len(logits) else logits.new_zeros(())
 
-    return mean_over_chunks(flat, project, mean_nll, chunk_rows, num_chunks)
+    return mean_over_chunks(flat, project, mean_nll, chunk_rows, num_chunks, recompute)
 
 
 def palu_loss(

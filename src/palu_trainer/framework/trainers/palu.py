@@ -6,6 +6,7 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
+from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
 from palu_trainer.method.losses import (
     ReferenceFromModel,
     check_kl_direction,
@@ -103,6 +104,7 @@ class PALUTrainer(GradDiff):
                 "with the experiment's top-level `num_initiating_tokens=N`, not trainer.method_args"
             )
         super().__init__(*args, **kwargs)
+        use_non_reentrant_checkpointing(self.args)
         if self.retain_loss_type not in RETAIN_LOSS_TYPES:
             raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
         self.target = check_target(target)
@@ -328,6 +330,7 @@ class PALUTrainer(GradDiff):
                 *loss_options,
                 self.logit_chunk_rows,
                 forget_calls,
+                recompute=not self.is_deepspeed_enabled,
             )
         else:
             forget_outputs = model(**forward_inputs)
@@ -346,6 +349,7 @@ class PALUTrainer(GradDiff):
                     retain_inputs["labels"],
                     self.logit_chunk_rows,
                     retain_calls,
+                    recompute=not self.is_deepspeed_enabled,
                 )
             else:
                 retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)

@@ -4,6 +4,7 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
+from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
 from palu_trainer.method.tpo import tpo_preference_loss, tpo_preservation_loss
 
 ensure_importable()
@@ -22,6 +23,7 @@ class TPOTrainer(GradDiff):
 
     def __init__(self, beta=0.32, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        use_non_reentrant_checkpointing(self.args)
         self.beta = beta
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
