@@ -29,17 +29,17 @@ def test_palu_configs_are_found_through_the_search_path():
     forget = cfg.data.forget.TOFU_QA_forget_spans
     assert forget.handler == "QAwithSpansDataset"
     policy = ("num_initiating_tokens", "initiating_strategy", "initiating_ratio", "merge_adjacent_spans")
-    assert [forget.args[key] for key in policy] == [3, "first_n", 0.5, False]
+    assert [forget.args[key] for key in policy] == [None, "first_n", None, False]  # unset: N=3, p=0.5
     override = compose_unlearn(
         [
             "experiment=unlearn/tofu/palu",
             "num_initiating_tokens=2",
-            "initiating_strategy=ratio",
+            "initiating_strategy=random_n",
             "task_name=t",
         ]
     )
     args = override.data.forget.TOFU_QA_forget_spans.args
-    assert (args.num_initiating_tokens, args.initiating_strategy) == (2, "ratio")
+    assert (args.num_initiating_tokens, args.initiating_strategy) == (2, "random_n")
     assert forget.args.span_annotations.endswith("span_annotations/tofu_forget05.jsonl")
     assert cfg.collator.DataCollatorWithTokenRoles.handler == "DataCollatorWithTokenRoles"
 
