@@ -77,7 +77,7 @@ def test_wrong_mirror_names_the_missing_config(tofu_dir):
     cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "forget_split=forget01", "task_name=t"])
     with pytest.raises(FileNotFoundError, match=r"has no dataset config 'holdout10', needed by eval\.tofu"):
         redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir)})
-    with pytest.raises(FileNotFoundError, match="README.md not found"):
+    with pytest.raises(FileNotFoundError, match=r"TOFU_DIR=.*no-such-dir: no such folder; point TOFU_DIR at"):
         redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir / "no-such-dir")})
 
 
@@ -86,6 +86,9 @@ def test_mirror_redirects_training_and_eval_loads(tmp_path, tofu_dir):
     header = yaml.safe_load(readme.split("---")[1])
     header["configs"].append({"config_name": "holdout01", "data_files": "holdout01.json"})
     (tmp_path / "README.md").write_text("---\n" + yaml.safe_dump(header) + "---\n")
+    for source in tofu_dir.glob("*.json"):  # the redirect checks that each listed file is there
+        (tmp_path / source.name).symlink_to(source)
+    (tmp_path / "holdout01.json").symlink_to(tofu_dir / "forget01.json")
     assert "holdout01" in read_configs(tmp_path) and "forget01" in read_configs(tmp_path)
     cfg = compose_unlearn(
         ["experiment=unlearn/tofu/palu", "forget_split=forget01", "holdout_split=holdout01", "task_name=t"]
