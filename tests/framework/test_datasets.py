@@ -113,8 +113,8 @@ def test_dataset_applies_each_initiating_strategy(tmp_path, tokenizer):
         name: span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, **policy)
         for name, policy in {
             "first_n": {"n": 1},
-            "all": {"initiating_strategy": "all"},
-            "ratio": {"initiating_strategy": "ratio", "initiating_ratio": 0.5},
+            "all": {"n": None, "initiating_strategy": "all"},
+            "ratio": {"n": None, "initiating_strategy": "ratio", "initiating_ratio": 0.5},
             "random_n": {"n": 1, "initiating_strategy": "random_n", "initiating_seed": 3},
         }.items()
     }

@@ -29,17 +29,17 @@ def test_palu_configs_are_found_through_the_search_path():
     forget = cfg.data.forget.TOFU_QA_forget_spans
     assert forget.handler == "QAwithSpansDataset"
     policy = ("num_initiating_tokens", "initiating_strategy", "initiating_ratio", "merge_adjacent_spans")
-    assert [forget.args[key] for key in policy] == [3, "first_n", 0.5, False]
+    assert [forget.args[key] for key in policy] == [None, "first_n", None, False]  # unset: N=3, p=0.5
     override = compose_unlearn(
         [
             "experiment=unlearn/tofu/palu",
             "num_initiating_tokens=2",
-            "initiating_strategy=ratio",
+            "initiating_strategy=random_n",
             "task_name=t",
         ]
     )
     args = override.data.forget.TOFU_QA_forget_spans.args
-    assert (args.num_initiating_tokens, args.initiating_strategy) == (2, "ratio")
+    assert (args.num_initiating_tokens, args.initiating_strategy) == (2, "random_n")
     assert forget.args.span_annotations.endswith("span_annotations/tofu_forget05.jsonl")
     assert cfg.collator.DataCollatorWithTokenRoles.handler == "DataCollatorWithTokenRoles"
 
@@ -77,7 +77,7 @@ def test_wrong_mirror_names_the_missing_config(tofu_dir):
     cfg = compose_unlearn(["experiment=unlearn/tofu/palu", "forget_split=forget01", "task_name=t"])
     with pytest.raises(FileNotFoundError, match=r"has no dataset config 'holdout10', needed by eval\.tofu"):
         redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir)})
-    with pytest.raises(FileNotFoundError, match="README.md not found"):
+    with pytest.raises(FileNotFoundError, match=r"TOFU_DIR=.*no-such-dir: no such folder; point TOFU_DIR at"):
         redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(tofu_dir / "no-such-dir")})
 
 
@@ -86,6 +86,9 @@ def test_mirror_redirects_training_and_eval_loads(tmp_path, tofu_dir):
     header = yaml.safe_load(readme.split("---")[1])
     header["configs"].append({"config_name": "holdout01", "data_files": "holdout01.json"})
     (tmp_path / "README.md").write_text("---\n" + yaml.safe_dump(header) + "---\n")
+    for source in tofu_dir.glob("*.json"):  # the redirect checks that each listed file is there
+        (tmp_path / source.name).symlink_to(source)
+    (tmp_path / "holdout01.json").symlink_to(tofu_dir / "forget01.json")
     assert "holdout01" in read_configs(tmp_path) and "forget01" in read_configs(tmp_path)
     cfg = compose_unlearn(
         ["experiment=unlearn/tofu/palu", "forget_split=forget01", "holdout_split=holdout01", "task_name=t"]

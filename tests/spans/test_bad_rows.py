@@ -15,7 +15,7 @@ from palu_trainer.spans.format import (
 )
 from palu_trainer.spans.tpo import import_tpo, read_tpo
 
-from ..conftest import write_jsonl
+from ..conftest import read_jsonl, write_jsonl
 from .test_annotator import run_cli
 
 ANSWER = "Ann Lee was born in Oslo."
@@ -105,4 +105,71 @@ def test_validate_warns_about_gpt4o_spans_inside_words(tmp_path, capsys, shared_
     assert (
         "warning: " in err
         and "5 span(s) in 4 row(s) start or end inside a word (rows 118, 152, 162, 174)" in err
+    )
+
+
+def test_import_tpo_checks_each_span_text_against_the_answer(tmp_path, capsys, shared_dir):
+    rows = read_jsonl(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl")
+    for row in rows:
+        for span in row["spans"]:
+            span["start"], span["end"] = span["start"] + 2, span["end"] + 2
+    shifted = write_jsonl(tmp_path / "shifted.jsonl", rows)
+    code, out, err = run_cli(capsys, "import-tpo", str(shifted), str(tmp_path / "out.jsonl"))
+    assert (code, out) == (1, "")
+    assert (
+        "shifted.jsonl line 1: span [102, 126) covers 'sil Mahfouz Al-Kuwaiti.' but its text is "
+        "'Basil Mahfouz Al-Kuwaiti'; the text is at offset 100 (shifted by -2). Fix the offsets" in err
+    )
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_tpo_file_as_span_annotations_points_to_import_tpo(tmp_path, capsys, shared_dir, tofu_dir):
+    tpo = shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl"
+    with pytest.raises(
+        AnnotationError, match=r"forget01\.jsonl line 1: a TPO-style row .*palu-annotate import-tpo"
+    ):
+        read_annotations(tpo)
+    code, _, err = run_cli(capsys, "validate", "--dataset", str(tofu_dir), "--name", "forget01", str(tpo))
+    assert code == 1 and "convert the file with `palu-annotate import-tpo" in err
+
+
+def test_a_binary_span_file_is_named(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    path.write_bytes(b"\xff\xfe\x00\x01binary")
+    with pytest.raises(
+        AnnotationError, match=r"spans\.jsonl: not UTF-8 text \(invalid start byte at byte 0\)"
+    ):
+        read_annotations(path)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "out", "message"),
+    [
+        ("{tmp}/no-such-dir", "{tmp}/o.jsonl", r"no-such-dir: no such file or folder; give a local dataset"),
+        ("{tmp}/missing.jsonl", "{tmp}/o.jsonl", r"missing\.jsonl: no such file or folder"),
+        ("{tmp}/qa.jsonl", "{tmp}", r"--out .* is a folder; name a file in it"),
+        ("{tmp}/qa.jsonl", "{tmp}/qa.jsonl/o.jsonl", r"--out .*: cannot create its folder"),
+    ],
+)
+def test_annotate_names_a_missing_dataset_or_a_bad_out(tmp_path, capsys, dataset, out, message):
+    write_jsonl(tmp_path / "qa.jsonl", [{"question": "Who?", "answer": ANSWER}])
+    dataset, out = dataset.format(tmp=tmp_path), out.format(tmp=tmp_path)
+    code, stdout, err = run_cli(capsys, "annotate", "--dataset", dataset, "--out", out)
+    assert (code, stdout) == (1, "")
+    assert re.search(message, err), err
+
+
+def test_annotate_names_a_config_the_folder_lacks(tmp_path, capsys, tofu_dir):
+    code, _, err = run_cli(
+        capsys,
+        "annotate",
+        "--dataset",
+        str(tofu_dir),
+        "--name",
+        "forget77",
+        "--out",
+        str(tmp_path / "o.jsonl"),
+    )
+    assert (
+        code == 1 and "(--name forget77, --split train) could not be loaded: BuilderConfig 'forget77'" in err
     )

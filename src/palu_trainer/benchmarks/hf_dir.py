@@ -40,14 +40,38 @@ def read_configs(directory: Path) -> dict[str, set[str]]:
     `data_files` as a path (or list of paths) is the single split `train`; as a list of
     `{split, path}` entries (MUSE's layout), those splits.
     """
+    return {config["config_name"]: _splits(config.get("data_files")) for config in _config_entries(directory)}
+
+
+def missing_data_files(directory: Path, name: str, split: str = "train") -> list[str]:
+    """The data files (or patterns) that config `name`'s `split` lists in the README but the folder lacks."""
+    for config in _config_entries(directory):
+        if config["config_name"] == name:
+            return [
+                pattern
+                for pattern in _split_files(config.get("data_files"), split)
+                if not any(directory.glob(pattern))
+            ]
+    return []
+
+
+def _config_entries(directory: Path) -> list[dict]:
     readme = directory / "README.md"
     if not readme.is_file():
         raise FileNotFoundError(
             f"{readme} not found: a local dataset mirror needs the hub README with its `configs`"
         )
     header = readme.read_text(encoding="utf-8").split("---")
-    configs = yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
-    return {config["config_name"]: _splits(config.get("data_files")) for config in configs}
+    return yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
+
+
+def _split_files(data_files, split: str) -> list[str]:
+    if isinstance(data_files, list) and data_files and isinstance(data_files[0], dict):
+        paths = [entry["path"] for entry in data_files if entry["split"] == split]
+        return [path for entry in paths for path in ([entry] if isinstance(entry, str) else entry)]
+    if isinstance(data_files, str):
+        return [data_files]
+    return list(data_files or [])
 
 
 def _splits(data_files) -> set[str]:

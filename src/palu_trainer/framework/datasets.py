@@ -26,6 +26,19 @@ from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+def check_max_length(max_length) -> int:
+    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1.
+
+    0 or a negative value would reach the tokenizer as "no truncation" (or an empty chunk) without a word.
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(
+            f"max_length={max_length!r}: tokens kept per row must be an integer >= 1 (0 does not mean 'no "
+            "truncation'); give the longest row's length or more, e.g. the default 512"
+        )
+    return max_length
+
+
 class SpanRoles:
     """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
 
@@ -117,22 +130,23 @@ class QAwithSpansDataset(SpanRoles, QADataset):
     def __init__(
         self,
         span_annotations,
-        num_initiating_tokens=3,
+        num_initiating_tokens=None,
         initiating_strategy="first_n",
-        initiating_ratio=0.5,
-        initiating_seed=0,
+        initiating_ratio=None,
+        initiating_seed=None,
         merge_adjacent_spans=False,
         min_initiating_tokens="auto",
         *args,
         **kwargs,
     ):
-        policy = InitiatingPolicy(
+        policy = InitiatingPolicy.from_options(
             num_initiating_tokens,
             initiating_strategy,
             initiating_ratio,
             initiating_seed,
             merge_adjacent_spans,
         )
+        check_max_length(kwargs.get("max_length", 512))
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
@@ -245,22 +259,23 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         template_args,
         tokenizer,
         span_annotations,
-        num_initiating_tokens=3,
+        num_initiating_tokens=None,
         initiating_strategy="first_n",
-        initiating_ratio=0.5,
-        initiating_seed=0,
+        initiating_ratio=None,
+        initiating_seed=None,
         merge_adjacent_spans=False,
         min_initiating_tokens="auto",
         text_key="text",
         max_length=2048,
     ):
-        policy = InitiatingPolicy(
+        policy = InitiatingPolicy.from_options(
             num_initiating_tokens,
             initiating_strategy,
             initiating_ratio,
             initiating_seed,
             merge_adjacent_spans,
         )
+        check_max_length(max_length)
         super().__init__(hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length)
         texts = list(load_hf_dataset(**hf_args)[text_key])
         self.spans = self._read_spans(span_annotations, policy, texts, field=text_key)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from palu_trainer.benchmarks.hf_dir import read_configs
+from palu_trainer.benchmarks.hf_dir import missing_data_files, read_configs
 from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_importable
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,11 @@ def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
         if not environ.get(variable):
             continue
         mirror_dir = Path(environ[variable]).expanduser().resolve()
+        if not mirror_dir.is_dir():
+            raise FileNotFoundError(
+                f"{variable}={mirror_dir}: no such folder; point {variable} at a local copy of {hub_id} (its "
+                "JSON files and the hub README listing the configs), or unset it to read the Hub"
+            )
         available = read_configs(mirror_dir)
         cache_dir = None
         for where, hf_args in dataset_loads(cfg):
@@ -121,6 +126,13 @@ def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
                 raise FileNotFoundError(
                     f"{variable}={mirror_dir} has no dataset {missing}, needed by {where}. It offers: "
                     f"{offered}. Add that split to the mirror or drop the metric/dataset that needs it."
+                )
+            missing = missing_data_files(mirror_dir, name, split)
+            if missing:
+                raise FileNotFoundError(
+                    f"{variable}={mirror_dir}: the README lists config {name!r} (split {split!r}, needed by "
+                    f"{where}) in {missing}, which the folder lacks. Copy the file(s) there or drop the "
+                    "config from the README"
                 )
             cache_dir = cache_dir or mirror_cache_dir(mirror_dir)
             with open_dict(hf_args):
@@ -260,12 +272,24 @@ def allow_numpy_rng_state() -> None:
     torch.serialization.add_safe_globals(numpy_types)
 
 
-def _resuming(load_trainer, checkpoint: str | None):
-    """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`)."""
+def _resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = False):
+    """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
+
+    Its checkpoints record the run's data (`checks.RunDataCallback`); resuming on other data is refused.
+    """
+    from palu_trainer.framework.checks import BadInput, RunDataCallback, resume_data_problem, run_data
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
         trainer, trainer_args = load_trainer(*args, **kwargs)
+        record = run_data(trainer.train_dataset)
+        if checkpoint is not None:
+            error, warning = resume_data_problem(checkpoint, record)
+            if error and not allow_other_data:
+                raise BadInput(error)
+            if warning or error:
+                logger.warning(warning or error)
+        trainer.add_callback(RunDataCallback(record))
         if trainer_args.do_train:
             removed = remove_stale_weights(trainer_args.output_dir)
             if removed:
@@ -281,6 +305,88 @@ def _resuming(load_trainer, checkpoint: str | None):
     return load
 
 
+def _checking_vocabulary(get_model):
+    """The framework's `get_model`, refusing a tokenizer that does not fit the model's vocabulary."""
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.framework.vocabulary import model_vocab_size, vocabulary_mismatch
+
+    @functools.wraps(get_model)
+    def load(model_cfg, *args, **kwargs):
+        model, tokenizer = get_model(model_cfg, *args, **kwargs)
+        names = [getattr(loaded, "name_or_path", "") for loaded in (tokenizer, model)]
+        error, warning = vocabulary_mismatch(len(tokenizer), model_vocab_size(model), *names)
+        if error:
+            raise BadInput(error)
+        if warning:
+            logger.warning(warning)
+        return model, tokenizer
+
+    return load
+
+
+def _checking_data(get_data, cfg):
+    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed).
+
+    A bad span file (AnnotationError: file, row and fix named) ends the run with its message alone.
+    """
+    from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
+    from palu_trainer.spans.format import AnnotationError
+
+    @functools.wraps(get_data)
+    def load(*args, **kwargs):
+        try:
+            data = get_data(*args, **kwargs)
+        except AnnotationError as error:
+            raise BadInput(str(error)) from None
+        problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
+        if problem and not cfg.get(ALLOW_OVERLAP, False):
+            raise BadInput(problem)
+        if problem:
+            logger.warning("%s=true: %s", ALLOW_OVERLAP, problem)
+        return data
+
+    return load
+
+
+def hub_hint(error: BaseException, environ=os.environ) -> str | None:
+    """What to do when a mirrored hub dataset cannot be reached and its variable is unset (offline)."""
+    text = str(error)
+    for hub_id, variable in LOCAL_MIRRORS.items():
+        if hub_id in text and not environ.get(variable):
+            return (
+                f"{hub_id} could not be loaded ({text.strip().splitlines()[0]}). Offline, set "
+                f"{variable}=/path to a local copy of it (its JSON files and the hub README listing the "
+                "configs)"
+            )
+    return None
+
+
+def _precheck(prog: str, script: str, config_name: str, config_dir: Path, argv) -> None:
+    """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    from palu_trainer.framework.checks import argv_problem, config_problems
+
+    problem = argv_problem(argv)
+    if problem:
+        sys.exit(f"{prog}: {problem}")
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return  # Hydra reports it
+    if args.cfg or args.info or args.multirun or args.shell_completion or args.help or args.hydra_help:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = compose(args.config_name or config_name, overrides=args.overrides, return_hydra_config=True)
+        problems = config_problems(cfg, script)
+    except Exception:  # noqa: BLE001 (a config Hydra cannot compose: Hydra's own run reports it)
+        return
+    if problems:
+        sys.exit("\n".join(f"{prog}: {problem}" for problem in problems))
+
+
 def _run_framework_script(script: str, config_name: str) -> None:
     import hydra
     import torch
@@ -293,9 +399,13 @@ def _run_framework_script(script: str, config_name: str) -> None:
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
     src = ensure_importable()
     register()
+    _precheck(prog, script, config_name, src.parent / "configs", sys.argv[1:])
+    from palu_trainer.framework.checks import ALLOW_OTHER_DATA, BadInput, mid_epoch_warning
+
     module = importlib.import_module(script)
     framework_main = module.main.__wrapped__
     load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
+    get_model, get_data = module.get_model, getattr(module, "get_data", None)
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
@@ -303,19 +413,38 @@ def _run_framework_script(script: str, config_name: str) -> None:
         problem = cpu_runtime_missing(runtime, torch.cuda.is_available())
         if problem:
             sys.exit(f"{prog}: {problem}")
-        for line in redirect_to_local_mirrors(cfg):
-            logger.info("local dataset mirror: %s", line)
+        try:
+            for line in redirect_to_local_mirrors(cfg):
+                logger.info("local dataset mirror: %s", line)
+        except FileNotFoundError as error:
+            sys.exit(f"{prog}: {error}")
+        module.get_model = _checking_vocabulary(get_model)
         if load_trainer is not None:
             args = cfg.trainer.args
-            checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
+            try:
+                checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
+            except (FileNotFoundError, ValueError) as error:
+                sys.exit(f"{prog}: {error}")
             model_path = cfg.model.model_args.get("pretrained_model_name_or_path")
             if checkpoint and model_path and Path(model_path).resolve() == Path(checkpoint).resolve():
                 sys.exit(
                     f"{prog}: resuming loads {checkpoint} itself; keep model.model_args."
                     "pretrained_model_name_or_path at the model unlearning started from (the reference)"
                 )
-            module.load_trainer = _resuming(load_trainer, checkpoint)
-        framework_main(cfg)
+            warning = checkpoint and mid_epoch_warning(checkpoint)
+            if warning:
+                logger.warning(warning)
+            module.load_trainer = _resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            module.get_data = _checking_data(get_data, cfg)
+        try:
+            framework_main(cfg)
+        except BadInput as error:
+            sys.exit(f"{prog}: {error}")
+        except Exception as error:
+            hint = hub_hint(error)
+            if hint:
+                sys.exit(f"{prog}: {hint}")
+            raise
 
     main()
 

@@ -11,6 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 STRATEGIES = ("first_n", "all", "ratio", "random_n")
+# The experiment's options of the policy and the strategies that read them (any other strategy ignores it).
+OPTION_READERS = {
+    "num_initiating_tokens": ("first_n", "random_n"),
+    "initiating_ratio": ("ratio",),
+    "initiating_seed": ("random_n",),
+}
+OPTION_FIELDS = {
+    "num_initiating_tokens": "num_tokens",
+    "initiating_ratio": "ratio",
+    "initiating_seed": "seed",
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,38 @@ class InitiatingPolicy:
             raise ValueError(f"initiating_seed must be an integer, got {self.seed!r}")
         if not isinstance(self.merge_adjacent_spans, bool):
             raise ValueError(f"merge_adjacent_spans must be true or false, got {self.merge_adjacent_spans!r}")
+
+    @classmethod
+    def from_options(
+        cls,
+        num_initiating_tokens=None,
+        initiating_strategy="first_n",
+        initiating_ratio=None,
+        initiating_seed=None,
+        merge_adjacent_spans=False,
+    ) -> "InitiatingPolicy":
+        """The policy from the experiment's options; an option the strategy does not read must stay unset.
+
+        None is unset (the default: N=3, ratio 0.5, seed 0). `initiating_ratio=0.25` with `first_n`, or
+        `num_initiating_tokens=1` with `all`, would otherwise be dropped without a word (`OPTION_READERS`).
+        """
+        if initiating_strategy not in STRATEGIES:
+            cls(strategy=initiating_strategy)  # the unknown-strategy message
+        given = {
+            "num_initiating_tokens": num_initiating_tokens,
+            "initiating_ratio": initiating_ratio,
+            "initiating_seed": initiating_seed,
+        }
+        for option, value in given.items():
+            readers = OPTION_READERS[option]
+            if value is not None and initiating_strategy not in readers:
+                raise ValueError(
+                    f"{option}={value!r} has no effect with initiating_strategy={initiating_strategy}: only "
+                    f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it. Set "
+                    f"initiating_strategy={readers[0]}, or drop {option}"
+                )
+        chosen = {OPTION_FIELDS[option]: value for option, value in given.items() if value is not None}
+        return cls(strategy=initiating_strategy, merge_adjacent_spans=merge_adjacent_spans, **chosen)
 
     def __str__(self) -> str:
         chosen = {

@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from palu_trainer.spans.agreement import span_agreement, word_agreement
 from palu_trainer.spans.format import (
@@ -70,7 +72,21 @@ def _add_dataset_arguments(parser, required: bool):
     )
 
 
+def _check_out(path: str, option: str) -> None:
+    """The file to write: refused before any work when it is a folder or its folder cannot be made."""
+    out = Path(path)
+    if out.is_dir():
+        raise AnnotationError(f"{option} {path} is a folder; name a file in it, e.g. {out / 'spans.jsonl'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise AnnotationError(f"{option} {path}: cannot create its folder ({error.strerror})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise AnnotationError(f"{option} {path}: its folder {out.parent} is not writable")
+
+
 def _run_import_tpo(args):
+    _check_out(args.out_file, "out_file")
     rows = import_tpo(args.tpo_file, args.out_file)
     print(f"wrote {rows} rows to {args.out_file}")
 
@@ -78,6 +94,7 @@ def _run_import_tpo(args):
 def _run_annotate(args):
     from palu_trainer.spans.annotator import Background, annotate, annotate_texts
 
+    _check_out(args.out, "--out")
     rows = _dataset_rows(args)
     background_rows = rows
     if args.background:
@@ -153,7 +170,20 @@ def _load_rows(dataset, name, split) -> list[dict]:
     from palu_trainer.spans.annotator import load_qa_rows
 
     disable_progress_bar()  # stderr is for errors
-    return load_qa_rows(dataset, name, split)
+    local = Path(dataset).suffix in (".json", ".jsonl") or dataset.startswith((".", "/", "~"))
+    if local and not Path(dataset).expanduser().exists():
+        raise AnnotationError(
+            f"{dataset}: no such file or folder; give a local dataset folder, a JSON (lines) file or a "
+            "Hugging Face dataset id"
+        )
+    try:
+        return load_qa_rows(str(Path(dataset).expanduser()) if local else dataset, name, split)
+    except Exception as error:  # datasets raises many types (FileNotFoundError, ValueError, ConnectionError)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise AnnotationError(
+            f"{dataset} (--name {name}, --split {split}) could not be loaded: {reason}. Check the path, "
+            "--name and --split (a local folder needs the hub README listing its configs)"
+        ) from None
 
 
 def _field(args) -> str:

@@ -39,7 +39,13 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             "`palu-annotate import-tpo <tpo.jsonl> <out.jsonl>`, or point the dataset's "
             "`span_annotations` argument at an existing file."
         )
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise AnnotationError(
+            f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); span-annotation files are JSON "
+            "lines, one object per row: is this the right file?"
+        ) from None
     if text.lstrip().startswith("["):
         raise AnnotationError(
             f"{path}: a JSON array; annotation files are JSON lines, one object per row "
@@ -57,6 +63,12 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
         if not isinstance(row, dict):
             raise AnnotationError(f"{path} line {line_number}: a {type(row).__name__}, not a JSON object")
         missing = {"index", key, "spans"} - row.keys()
+        if missing and is_tpo_row(row):
+            raise AnnotationError(
+                f"{path} line {line_number}: a TPO-style row (the answer with {{start, end}} spans), not "
+                f"this format (index, {key}, [start, end] spans): convert the file with "
+                f"`palu-annotate import-tpo {path} <out.jsonl>` and use <out.jsonl>"
+            )
         if missing:
             other = sorted(k for k in row if k.endswith("_sha1") and k != key)
             hint = f" (it has {other[0]}: a file made for another kind of dataset)" if other else ""
@@ -66,6 +78,12 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             )
         rows.append(row)
     return rows
+
+
+def is_tpo_row(row: dict) -> bool:
+    """A row of a TPO-style file: it carries its answer and spans as {start, end} objects."""
+    spans = row.get("spans")
+    return "answer" in row and isinstance(spans, list) and all(isinstance(span, dict) for span in spans)
 
 
 def write_annotations(

@@ -17,7 +17,12 @@ def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
             if "answer" not in row or "spans" not in row:
                 raise AnnotationError(f"{tpo_path} line {line_number}: TPO rows need 'answer' and 'spans'")
             answers.append(row["answer"])
-            spans.append(merge_spans((span["start"], span["end"]) for span in row["spans"]))
+            spans.append(
+                merge_spans(
+                    _checked_span(row["answer"], span, f"{tpo_path} line {line_number}")
+                    for span in row["spans"]
+                )
+            )
     return answers, spans
 
 
@@ -34,3 +39,21 @@ def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
     answers, spans = read_tpo(tpo_path)
     write_annotations(out_path, answers, spans)
     return len(answers)
+
+
+def _checked_span(answer: str, span: dict, where: str) -> Span:
+    """(start, end) of a TPO span, checked against its `text` when it has one (offsets shifted otherwise)."""
+    start, end = span["start"], span["end"]
+    text = span.get("text")
+    if text is not None and answer[start:end] != text:
+        found = [i for i in range(len(answer)) if answer.startswith(text, i)]
+        hint = (
+            f"the text is at offset {found[0]} (shifted by {found[0] - start:+d})"
+            if found
+            else "the text is not in the answer"
+        )
+        raise AnnotationError(
+            f"{where}: span [{start}, {end}) covers {answer[start:end]!r} but its text is {text!r}; {hint}. "
+            "Fix the offsets (or the text) in the TPO file and import it again"
+        )
+    return start, end

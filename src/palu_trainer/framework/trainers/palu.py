@@ -7,10 +7,13 @@ import torch
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.losses import (
     ReferenceFromModel,
     check_kl_direction,
     check_kl_weight,
+    check_loss_weights,
+    check_number,
     check_target,
     chunk_count,
     forget_hidden,
@@ -83,6 +86,12 @@ class PALUTrainer(GradDiff):
     policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
     """
 
+    # method_args that moved elsewhere: the message says where (checked by palu-train before loading too).
+    MOVED_METHOD_ARGS = {
+        "num_initiating_tokens": "num_initiating_tokens (N) belongs to the forget dataset, which fixes token "
+        "roles: set it with the experiment's top-level `num_initiating_tokens=N`, not trainer.method_args",
+    }
+
     def __init__(
         self,
         top_k=0.15625,
@@ -98,11 +107,16 @@ class PALUTrainer(GradDiff):
         *args,
         **kwargs,
     ):
-        if "num_initiating_tokens" in kwargs:
-            raise ValueError(
-                "num_initiating_tokens (N) belongs to the forget dataset, which fixes token roles: set it "
-                "with the experiment's top-level `num_initiating_tokens=N`, not trainer.method_args"
-            )
+        self.check_method_args(
+            {
+                **kwargs,
+                "target": target,
+                "kl_direction": kl_direction,
+                "kl_weight": kl_weight,
+                "reference_cache_dtype": reference_cache_dtype,
+                "reference_cache_max_gib": reference_cache_max_gib,
+            }
+        )
         super().__init__(*args, **kwargs)
         use_non_reentrant_checkpointing(self.args)
         if self.retain_loss_type not in RETAIN_LOSS_TYPES:
@@ -113,7 +127,7 @@ class PALUTrainer(GradDiff):
         self.target_gradient = target_gradient
         self.kl_direction = check_kl_direction(kl_direction)
         self.kl_weight = check_kl_weight(kl_weight)
-        self.top_k = resolve_top_k(top_k, self.model.config.vocab_size)
+        self.top_k = resolve_top_k(top_k, reachable_vocab_size(self.model, self._tokenizer()))
         self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
         self.reference_cache_max_gib = float(reference_cache_max_gib)
@@ -126,6 +140,28 @@ class PALUTrainer(GradDiff):
             self.ref_model = self._prepare_ref_model(self.model)
         self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
         self._term_batches = 0
+
+    @classmethod
+    def check_method_args(cls, options: dict) -> None:
+        """Refuse bad `method_args` values; palu-train calls it on the composed config before loading."""
+        for moved in cls.MOVED_METHOD_ARGS.keys() & options.keys():
+            raise ValueError(cls.MOVED_METHOD_ARGS[moved])
+        check_loss_weights(options)
+        checks = {
+            "target": check_target,
+            "kl_direction": check_kl_direction,
+            "kl_weight": check_kl_weight,
+            "reference_cache_dtype": cache_dtype,
+            "reference_cache_max_gib": lambda value: check_number(
+                "reference_cache_max_gib", value, "host GiB per rank that reference_cache=auto may use"
+            ),
+        }
+        for name, check in checks.items():
+            if name in options:
+                check(options[name])
+
+    def _tokenizer(self):
+        return getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
 
     def _check_forget_batches(self, merge_adjacent_spans):
         forget = getattr(self.train_dataset, "forget", None)

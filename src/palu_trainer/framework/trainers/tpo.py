@@ -5,7 +5,8 @@ import torch
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
-from palu_trainer.method.tpo import tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.method.losses import check_loss_weights
+from palu_trainer.method.tpo import check_beta, tpo_preference_loss, tpo_preservation_loss
 
 ensure_importable()
 from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
@@ -22,12 +23,20 @@ class TPOTrainer(GradDiff):
     """
 
     def __init__(self, beta=0.32, *args, **kwargs):
+        self.check_method_args({**kwargs, "beta": beta})
+        self.beta = beta
         super().__init__(*args, **kwargs)
         use_non_reentrant_checkpointing(self.args)
-        self.beta = beta
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)
+
+    @classmethod
+    def check_method_args(cls, options: dict) -> None:
+        """Refuse bad `method_args` values; palu-train calls it on the composed config before loading."""
+        check_loss_weights(options)
+        if "beta" in options:
+            check_beta(options["beta"])
 
     def compute_loss(self, model, inputs, return_outputs=False):
         forget = inputs["forget"]

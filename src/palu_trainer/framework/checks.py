@@ -1,0 +1,348 @@
+"""Mistakes that palu-train and palu-eval refuse before training, each message naming the option and the fix.
+
+- `CONFIG_CHECKS`: on the composed config, before Hydra starts the job (creates the output folder) and
+  before anything loads: output folder, model folder, `max_steps`, trainer options and their values, a
+  trainer that cannot read the experiment's forget set, `max_length`.
+- On the loaded data, before the trainer is built: forget rows that are also retain rows
+  (`forget_retain_overlap`).
+- On resuming: a checkpoint written on other data (`RunDataCallback` records the data of each checkpoint),
+  and a warning for a checkpoint in the middle of an epoch.
+"""
+
+import difflib
+import hashlib
+import inspect
+import json
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from transformers import Trainer, TrainerCallback
+
+from palu_trainer.framework.datasets import check_max_length
+from palu_trainer.method.initiating import InitiatingPolicy
+
+
+class BadInput(ValueError):
+    """A mistake in the command line, the config or the data; the message names it and the fix."""
+
+
+SPAN_DATASETS = ("QAwithSpansDataset", "PretrainingWithSpansDataset")
+SPAN_TRAINERS = ("PALUTrainer", "TPOTrainer")
+# What the framework's load_trainer passes itself; the rest of a trainer's __init__ is its method_args.
+PASSED_BY_FRAMEWORK = {
+    "model",
+    "train_dataset",
+    "eval_dataset",
+    "tokenizer",
+    "data_collator",
+    "args",
+    "evaluators",
+    "template_args",
+}
+# Top-level keys (`+key=true`) that let a run through a check on purpose.
+ALLOW_OVERLAP = "allow_forget_retain_overlap"
+ALLOW_OTHER_DATA = "allow_resume_on_other_data"
+RUN_DATA_FILE = "palu_run_data.json"
+
+
+def argv_problem(argv) -> str | None:
+    """Command-line mistakes Hydra reports in its own terms."""
+    for arg in argv:
+        if arg.startswith("runtime="):
+            return (
+                f"{arg}: the runtime overlay is not part of the default config, so it is added, not "
+                f"overridden: write `+{arg}`"
+            )
+    return None
+
+
+def output_dir_problem(cfg, script) -> str | None:
+    path = Path(str(cfg.paths.output_dir)).expanduser()
+    where = f"paths.output_dir={path}"
+    existing = next((parent for parent in (path, *path.parents) if parent.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"{where}: {existing} is a file, not a folder; choose another paths.output_dir"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return (
+            f"{where}: cannot write there ({error.strerror or error}); choose a writable folder "
+            "(a read-only filesystem, /proc and /sys cannot hold the run)"
+        )
+    return None
+
+
+def model_path_problem(cfg, script) -> str | None:
+    """A local model or tokenizer folder that is not a saved model: missing, or an interrupted run's."""
+    needs = {"model_args": ("config.json",), "tokenizer_args": ("tokenizer_config.json", "tokenizer.json")}
+    for args, files in needs.items():
+        key = f"model.{args}.pretrained_model_name_or_path"
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, str):
+            continue
+        path = Path(value).expanduser()
+        local = value.startswith((".", "/", "~")) or path.exists()
+        if not local:
+            continue  # a hub id
+        if not path.is_dir():
+            return f"{key}={value}: no such folder; give a saved model folder or a hub id"
+        if any((path / name).is_file() for name in files):
+            continue
+        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1] or 0))
+        if checkpoints:
+            return (
+                f"{key}={value} is an interrupted run's folder: it holds checkpoints but no final model "
+                f"(no {files[0]}). Use a checkpoint, e.g. {key}={checkpoints[-1]}, or finish the run "
+                f"(+trainer.args.resume_from_checkpoint={checkpoints[-1]})"
+            )
+        return f"{key}={value}: no {files[0]} there, so it is not a saved model or tokenizer folder"
+    return None
+
+
+def max_steps_problem(cfg, script) -> str | None:
+    args = cfg.trainer.args
+    max_steps = args.get("max_steps", -1)
+    if max_steps == -1 or (isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1):
+        return None
+    return (
+        f"trainer.args.max_steps={max_steps!r}: give a number of optimizer steps >= 1, or -1 (the default) "
+        f"to train trainer.args.num_train_epochs={args.get('num_train_epochs')} epochs (transformers reads 0 "
+        "as 'no limit' and trains every epoch)"
+    )
+
+
+def trainer_options(cls) -> tuple[set[str], set[str]]:
+    """(method options, every accepted keyword) of a trainer class: its __init__ parameters up its MRO."""
+    method, accepted = set(), set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        names = {
+            name
+            for name, parameter in inspect.signature(init).parameters.items()
+            if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        }
+        accepted |= names
+        if not issubclass(Trainer, klass):
+            method |= names - PASSED_BY_FRAMEWORK
+    return method, accepted
+
+
+def method_args_problem(cfg, script) -> str | None:
+    """An option the chosen trainer does not take (a typo), or a value its `check_method_args` refuses."""
+    from trainer import TRAINER_REGISTRY
+
+    handler = cfg.trainer.get("handler")
+    cls = TRAINER_REGISTRY.get(handler)
+    method_args = cfg.trainer.get("method_args")
+    if cls is None or method_args is None:
+        return None
+    options = OmegaConf.to_container(method_args, resolve=True)
+    method, accepted = trainer_options(cls)
+    moved = getattr(cls, "MOVED_METHOD_ARGS", {})
+    for key in options:
+        if key in moved:
+            return moved[key]
+        if key not in accepted:
+            close = difflib.get_close_matches(key, sorted(method), n=1)
+            suggestion = f"did you mean {close[0]}? " if close else ""
+            return (
+                f"trainer.method_args.{key} is not an option of {handler}: {suggestion}its options are "
+                f"{', '.join(sorted(method))}"
+            )
+    check = getattr(cls, "check_method_args", None)
+    if check is not None:
+        try:
+            check(options)
+        except ValueError as error:
+            return f"trainer.method_args.{error}"
+    return None
+
+
+def trainer_data_problem(cfg, script) -> str | None:
+    """A trainer that cannot read span-role forget batches (they carry token roles and row indices)."""
+    handler = cfg.trainer.get("handler")
+    forget = OmegaConf.select(cfg, "data.forget") or {}
+    span_sets = [name for name, node in forget.items() if node.get("handler") in SPAN_DATASETS]
+    if not span_sets or handler in SPAN_TRAINERS:
+        return None
+    experiment = OmegaConf.select(cfg, "hydra.runtime.choices.experiment") or "this experiment"
+    trainer = OmegaConf.select(cfg, "hydra.runtime.choices.trainer") or handler
+    stock = "unlearn/muse/default" if "muse" in str(experiment) else "unlearn/tofu/default"
+    return (
+        f"trainer={trainer} cannot train on experiment={experiment}'s forget set ({span_sets[0]}: span roles "
+        f"and row indices, read by PALU and TPO only; it would fail at the first step). For the stock "
+        f"baselines use experiment={stock} trainer={trainer}"
+    )
+
+
+def max_length_problem(cfg, script) -> str | None:
+    for group, datasets in (OmegaConf.select(cfg, "data") or {}).items():
+        if not isinstance(datasets, DictConfig):
+            continue
+        for name, dataset in datasets.items():
+            args = dataset.get("args") if isinstance(dataset, DictConfig) else None
+            if args is None or "max_length" not in args:
+                continue
+            try:
+                check_max_length(args.max_length)
+            except ValueError as error:
+                return f"data.{group}.{name}.args.{error}"
+    return None
+
+
+def initiating_problem(cfg, script) -> str | None:
+    """Initiating options the forget dataset would refuse (an option its strategy does not read, N < 1)."""
+    options = ("num_initiating_tokens", "initiating_strategy", "initiating_ratio", "initiating_seed")
+    for node in (OmegaConf.select(cfg, "data.forget") or {}).values():
+        if node.get("handler") not in SPAN_DATASETS:
+            continue
+        args = OmegaConf.to_container(node.get("args", {}), resolve=True)
+        try:
+            InitiatingPolicy.from_options(**{key: args[key] for key in options if key in args})
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+# (scripts, check): each returns the problem's message or None; all run before the job starts.
+CONFIG_CHECKS = (
+    (("train", "eval"), output_dir_problem),
+    (("train", "eval"), model_path_problem),
+    (("train",), max_steps_problem),
+    (("train",), method_args_problem),
+    (("train",), trainer_data_problem),
+    (("train",), max_length_problem),
+    (("train",), initiating_problem),
+)
+
+
+def config_problems(cfg, script: str) -> list[str]:
+    """Every problem `CONFIG_CHECKS` finds in a composed config (with its `hydra` node)."""
+    problems = []
+    for scripts, check in CONFIG_CHECKS:
+        if script in scripts:
+            problem = check(cfg, script)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def row_keys(dataset) -> list | None:
+    """What identifies a dataset's rows: (question, answer) of QA rows, the text of raw-text chunks."""
+    data = getattr(dataset, "data", None)
+    if data is not None and hasattr(dataset, "question_key") and hasattr(dataset, "answer_key"):
+        return list(zip(data[dataset.question_key], data[dataset.answer_key]))
+    chunks = getattr(dataset, "chunks", None)
+    return list(chunks) if chunks is not None else None
+
+
+def forget_retain_overlap(train_dataset, forget_split=None, retain_split=None) -> str | None:
+    """The error for forget rows that are also retain rows (same question and answer, or same text)."""
+    forget = row_keys(getattr(train_dataset, "forget", None))
+    retain = row_keys(getattr(train_dataset, "retain", None))
+    if not forget or not retain:
+        return None
+    retained = set(retain)
+    shared = [row for row in forget if row in retained]
+    if not shared:
+        return None
+    example = shared[0][0] if isinstance(shared[0], tuple) else shared[0][:80]
+    splits = f"forget_split={forget_split} and retain_split={retain_split}" if forget_split else "the data"
+    return (
+        f"{splits} share {len(shared)} of the {len(forget)} forget rows (same question and answer, e.g. "
+        f"{example!r}): the run would unlearn and retain the same rows. Use the retain split without the "
+        "forget set (TOFU: forget01/retain99, forget05/retain95, forget10/retain90), or add "
+        f"+{ALLOW_OVERLAP}=true to train on the overlap on purpose"
+    )
+
+
+def dataset_fingerprint(dataset) -> str | None:
+    """sha1 of what training reads from a dataset: tokens and roles of span datasets, rows otherwise."""
+    digest = hashlib.sha1()
+    items = getattr(dataset, "items", None)
+    if isinstance(items, list) and items and "token_roles" in items[0]:
+        for item in items:
+            digest.update(item["input_ids"].numpy().tobytes() + b"|" + item["token_roles"].numpy().tobytes())
+        return digest.hexdigest()
+    keys = row_keys(dataset)
+    if keys is None:
+        return None
+    digest.update(json.dumps(keys).encode())
+    return digest.hexdigest()
+
+
+def run_data(train_dataset) -> dict:
+    """The forget and retain data of a run, as `RunDataCallback` records it in each checkpoint."""
+    record = {}
+    for part in ("forget", "retain"):
+        dataset = getattr(train_dataset, part, None)
+        if dataset is not None:
+            record[part] = {"rows": len(dataset), "sha1": dataset_fingerprint(dataset)}
+            if getattr(dataset, "span_annotations", None):
+                record[part]["span_annotations"] = dataset.span_annotations
+    return record
+
+
+class RunDataCallback(TrainerCallback):
+    """Writes the run's data record (`run_data`) into each checkpoint folder, for resuming to compare."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            (folder / RUN_DATA_FILE).write_text(json.dumps(self.record, indent=1))
+
+
+def resume_data_problem(checkpoint: str, current: dict) -> tuple[str | None, str | None]:
+    """(error, warning) for resuming `checkpoint` on the data `current` (a `run_data` record)."""
+    path = Path(checkpoint) / RUN_DATA_FILE
+    if not path.is_file():
+        return None, (
+            f"{checkpoint} has no {RUN_DATA_FILE} (written before palu-trainer recorded a run's data): "
+            "resuming cannot check that it continues on the same forget and retain data"
+        )
+    saved = json.loads(path.read_text())
+    changed = [
+        part
+        for part in ("forget", "retain")
+        if saved.get(part, {}).get("sha1") != current.get(part, {}).get("sha1")
+    ]
+    if not changed:
+        return None, None
+    details = []
+    for part in changed:
+        then, now = saved.get(part, {}), current.get(part, {})
+        detail = f"{part}: {then.get('rows')} rows then, {now.get('rows')} now"
+        if then.get("span_annotations") != now.get("span_annotations"):
+            detail += f", span file {then.get('span_annotations')} then, {now.get('span_annotations')} now"
+        details.append(detail)
+    details = "; ".join(details)
+    return (
+        f"resume_from_checkpoint={checkpoint} was trained on other {' and '.join(changed)} data ({details}; "
+        "split, span file, initiating options, max_length or tokenizer differ): resume with the options the "
+        f"checkpoint was trained with, start a new run in another paths.output_dir, or add "
+        f"+{ALLOW_OTHER_DATA}=true to continue on this data on purpose",
+        None,
+    )
+
+
+def mid_epoch_warning(checkpoint: str) -> str | None:
+    """A checkpoint saved in the middle of an epoch does not resume to an uninterrupted run's weights."""
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    epoch = state.get("epoch")
+    if not isinstance(epoch, int | float) or abs(epoch - round(epoch)) < 1e-6:
+        return None
+    return (
+        f"{checkpoint} was saved in the middle of an epoch (epoch {epoch:.3f}, step "
+        f"{state.get('global_step')}): "
+        "the resumed run draws other retain rows for its first batch (the framework samples them with the "
+        "global RNG before the checkpoint's RNG state is restored) and will not end with an uninterrupted "
+        "run's weights. Resume from a checkpoint at an epoch boundary for that (save_strategy=epoch)"
+    )
