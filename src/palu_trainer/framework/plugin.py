@@ -291,6 +291,8 @@ def _run_framework_script(script: str, config_name: str) -> None:
         print(usage(prog, script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
+    from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
+
     src = ensure_importable()
     register()
     module = importlib.import_module(script)
@@ -315,6 +317,8 @@ def _run_framework_script(script: str, config_name: str) -> None:
                     "pretrained_model_name_or_path at the model unlearning started from (the reference)"
                 )
             module.load_trainer = _resuming(load_trainer, checkpoint)
+            if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
+                module.load_trainer = with_run_stats(module.load_trainer)
         framework_main(cfg)
 
     main()
