@@ -12,14 +12,14 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
 
-# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR, RETAIN_LOGS and IDK_ANSWERS
-# replace hub ids and downloaded logs on offline clusters.
+# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
+# and IDK_ANSWERS replace hub ids and downloaded logs on offline clusters.
 FORGET ?= 05
 MODEL ?= Llama-2-7b-chat-hf
 GPUS ?=
 LR ?= 1e-5
 LAMBDA ?= 1.0
-export TOFU_DIR MODEL_DIR RETAIN_LOGS IDK_ANSWERS
+export TOFU_DIR MODEL_DIR RETAIN_LOGS ORIGINAL_LOGS IDK_ANSWERS
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 # make compare TUNE=1: the equal budget, every method at the paper's learning rates x its own knob
 TUNE ?=

@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from palu_trainer.experiments.methods import side_by_side_methods
 from palu_trainer.experiments.recipe import (
+    MuseRecipe,
     RecipeSettings,
     method_runs,
     missing_requirements,
@@ -15,6 +17,7 @@ from palu_trainer.experiments.recipe import (
     write_comparison,
 )
 from palu_trainer.experiments.recipe import main as recipe_main
+from palu_trainer.framework.checkout import checkout_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,3 +173,64 @@ def test_make_tofu_ablation_plans_every_point_then_fails_fast_without_gpus():
         "+eval/tofu_metrics@eval.tofu.metrics.mia_min_k_plus_plus=mia_min_k_plus_plus" in e for e in evals
     )
     assert "CUDA GPU(s) needed, 0 visible" in result.stderr
+
+
+def framework_script_path(script: str, option: str, **values) -> str:
+    """`option`'s value on the framework's own command lines in scripts/<script>, its shell variables set."""
+    text = (checkout_dir() / "scripts" / script).read_text()
+    (value,) = {match for match in re.findall(rf"{re.escape(option)}=(\S+)", text)}
+    return re.sub(r"\$\{(\w+)\}", lambda match: values[match.group(1)], value)
+
+
+def test_retain_and_original_logs_are_where_the_framework_scripts_write_them():
+    run = RecipeSettings(forget="05", model="Llama-3.2-1B-Instruct", gpus=1)
+    values = {"model": run.model, "forget_split": "forget05", "retain_split": "retain95"}
+    # tofu_finetune.sh evaluates the full model into saves/eval/tofu_<model>_full/evals_<forget split>
+    full_dir = [
+        line.split("paths.output_dir=")[1].split()[0]
+        for line in (checkout_dir() / "scripts" / "tofu_finetune.sh").read_text().splitlines()
+        if "paths.output_dir=" in line
+    ]
+    assert full_dir == ["saves/eval/tofu_${model}_full/evals_${forget_split}"]
+    assert (
+        run.original_logs_path == "saves/eval/tofu_Llama-3.2-1B-Instruct_full/evals_forget05/TOFU_EVAL.json"
+    )
+    # ... and the retain model with task_name=tofu_<model>_<retain>, into eval's default
+    # saves/eval/<task_name>; its unlearning script reads that file as retain_logs_path
+    assert run.retain_logs_path == framework_script_path("tofu_unlearn.sh", "retain_logs_path", **values)
+    muse = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=1)
+    muse_values = {"model": "Llama-2-7b-hf", "data_split": "News"}
+    assert muse.retain_logs_path == framework_script_path(
+        "muse_unlearn.sh", "retain_logs_path", **muse_values
+    )
+    assert (
+        RecipeSettings("05", "m", 1, original_logs="/logs/full.json").original_logs_path == "/logs/full.json"
+    )
+
+
+def test_logs_in_the_framework_checkout_are_found_there(tmp_path, monkeypatch):
+    """`setup_data.py --eval_logs`, run in the framework checkout, writes saves/eval there."""
+    monkeypatch.chdir(tmp_path)
+    checkout = tmp_path / "checkout"
+    monkeypatch.setenv("OPEN_UNLEARNING_DIR", str(checkout))
+    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=1)
+    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    fake_eval(checkout / run.original_logs_path, 1e-20, 0.95)
+    assert run.original_logs_path == str(
+        checkout / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    )
+    fake_eval(tmp_path / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json", 1e-20, 0.95)
+    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+
+
+def test_make_compare_names_the_original_logs_and_takes_original_logs(tmp_path):
+    result = make("compare", "FORGET=01")
+    assert result.returncode == 2
+    assert (
+        "Original model logs saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json not found"
+    ) in result.stderr
+    assert "`python setup_data.py --eval_logs`" in result.stderr and "ORIGINAL_LOGS" in result.stderr
+    fake_eval(tmp_path / "full.json", 1e-20, 0.95)
+    result = make("compare", "FORGET=01", f"ORIGINAL_LOGS={tmp_path / 'full.json'}")
+    assert result.returncode == 2  # still no GPU here, but the Original logs are found
+    assert "Original model logs" not in result.stderr and "CUDA GPU(s) needed" in result.stderr

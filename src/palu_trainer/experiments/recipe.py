@@ -41,6 +41,15 @@ SPLITS = {"01": ("forget01", "retain99", "holdout01"), "05": ("forget05", "retai
           "10": ("forget10", "retain90", "holdout10")}  # fmt: skip
 
 
+def framework_log(relative: str) -> str:
+    """An evaluation log the framework keeps under `saves/eval/`: here (relative to this directory), else in
+    the framework checkout, where its `python setup_data.py --eval_logs` downloads them; `relative` if in
+    neither (the check then names it)."""
+    if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
+        return str(checkout_dir() / relative)
+    return relative
+
+
 @dataclass(frozen=True)
 class RecipeSettings:
     """One recipe invocation: split, model, GPUs and the swept hyperparameters."""
@@ -55,6 +64,7 @@ class RecipeSettings:
     idk_answers: str | None = None
     variant: tuple[tuple[str, str], ...] = ()  # (name, value) of a tuned knob or an ablation point
     extra: tuple[str, ...] = ()  # the variant's overrides, last on the unlearning command line
+    original_logs: str | None = None
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -82,12 +92,18 @@ class RecipeSettings:
 
     @property
     def retain_logs_path(self) -> str:
-        return self.retain_logs or f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
+        """Where the framework's `scripts/tofu_finetune.sh` evaluates the retain model (task_name
+        tofu_<model>_<retain split>, eval's default output folder), as `setup_data.py --eval_logs` has it."""
+        return self.retain_logs or framework_log(
+            f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
+        )
 
     @property
     def original_logs_path(self) -> str:
-        """The finetuned target's own evaluation, from the same `setup_data.py --eval_logs` download."""
-        return f"saves/eval/tofu_{self.model}_full/TOFU_EVAL.json"
+        """Where `scripts/tofu_finetune.sh` evaluates the full (Original) model on this forget split:
+        `paths.output_dir=saves/eval/tofu_<model>_full/evals_<forget split>`."""
+        default = f"saves/eval/tofu_{self.model}_full/evals_{self.splits[0]}/TOFU_EVAL.json"
+        return self.original_logs or framework_log(default)
 
     @property
     def idk_answers_path(self) -> str:
@@ -158,11 +174,16 @@ class MuseRecipe(RecipeSettings):
 
     @property
     def retain_logs_path(self) -> str:
-        return self.retain_logs or f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+        """As `scripts/muse_unlearn.sh` passes it (`setup_data.py --eval_logs` has it there)."""
+        return self.retain_logs or framework_log(
+            f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+        )
 
     @property
     def original_logs_path(self) -> str:
-        return f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+        """The target's logs in the same download (no framework script writes them)."""
+        default = f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+        return self.original_logs or framework_log(default)
 
     def describe(self) -> str:
         return f"MUSE-{self.forget}"
@@ -257,7 +278,12 @@ def missing_requirements(
             f"--idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer per line"
         )
     if needs_original_logs and not Path(run.original_logs_path).is_file():
-        problems.append(f"{run.original_logs_path} not found: the comparison table's Original row needs it")
+        problems.append(
+            f"Original model logs {run.original_logs_path} not found (the comparison table's Original "
+            f"row): run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
+            "there or here), or evaluate the target as the framework's scripts/tofu_finetune.sh does, or set "
+            "ORIGINAL_LOGS"
+        )
     if torch.cuda.device_count() < run.gpus:
         problems.append(
             f"{run.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe fine-tunes a "
@@ -276,8 +302,8 @@ def missing_requirements(
     if not Path(run.retain_logs_path).is_file():
         problems.append(
             f"retain model logs {run.retain_logs_path} not found (forget quality / privleak need them): run "
-            f"`python setup_data.py --eval_logs` in {checkout_dir()} and copy its saves/eval here, "
-            "or set RETAIN_LOGS"
+            f"`python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from there or "
+            "here), or set RETAIN_LOGS"
         )
     return problems
 
@@ -398,6 +424,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
     parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
     parser.add_argument(
+        "--original-logs",
+        default=os.environ.get("ORIGINAL_LOGS") or None,
+        help="the Original (target) model's evaluation for --report (default: where the framework has it)",
+    )
+    parser.add_argument(
         "--idk-answers", default=os.environ.get("IDK_ANSWERS") or None, help="DPO's idk.jsonl"
     )
     parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
@@ -422,7 +453,15 @@ def main(argv=None) -> None:
     settings, forget = (MuseRecipe, args.split) if muse else (RecipeSettings, args.forget)
     model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
     run = settings(
-        forget, model, gpus, args.lr, args.kl_weight, args.model_dir, args.retain_logs, args.idk_answers
+        forget,
+        model,
+        gpus,
+        args.lr,
+        args.kl_weight,
+        args.model_dir,
+        args.retain_logs,
+        args.idk_answers,
+        original_logs=args.original_logs,
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
