@@ -7,10 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
+import pytest
+from huggingface_hub.errors import GatedRepoError
+
+from palu_trainer.experiments import recipe
 from palu_trainer.experiments.methods import side_by_side_methods
 from palu_trainer.experiments.recipe import (
     MuseRecipe,
     RecipeSettings,
+    choose_attention,
+    hub_problem,
     method_runs,
     missing_requirements,
     plan,
@@ -38,8 +45,21 @@ def test_make_tofu_prints_its_plan_then_fails_fast_without_gpus():
     assert "palu-eval experiment=eval/tofu/default" in result.stdout
     assert "CUDA GPU(s) needed, 0 visible" in result.stderr
     assert "model open-unlearning/tofu_Llama-2-7b-chat-hf_full" in result.stderr
+    # the framework's Llama-2 config loads its tokenizer from the gated meta-llama repository
+    assert (
+        "tokenizer meta-llama/Llama-2-7b-chat-hf: not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+        "online, run `huggingface-cli login`"
+    ) in result.stderr
     assert "retain model logs saves/eval/tofu_Llama-2-7b-chat-hf_retain95/TOFU_EVAL.json" in result.stderr
     assert "`make demo`" in result.stderr
+    # no flash-attn without CUDA: sdpa, said before the plan and passed to every run
+    assert "asks for flash_attention_2, but no CUDA device: every run uses" in result.stderr
+    launches = [
+        line for line in result.stdout.splitlines() if "/palu-train " in line or "/palu-eval " in line
+    ]
+    assert len(launches) == 2 and all(
+        "model.model_args.attn_implementation=sdpa" in line for line in launches
+    )
 
 
 def test_make_compare_plans_every_method_of_the_table(tmp_path):
@@ -234,3 +254,122 @@ def test_make_compare_names_the_original_logs_and_takes_original_logs(tmp_path):
     result = make("compare", "FORGET=01", f"ORIGINAL_LOGS={tmp_path / 'full.json'}")
     assert result.returncode == 2  # still no GPU here, but the Original logs are found
     assert "Original model logs" not in result.stderr and "CUDA GPU(s) needed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flash", "requested", "expected"),
+    [
+        (None, "auto", None),  # flash-attn imports: the config's own flash_attention_2
+        ("the flash-attn package is not installed", "auto", "sdpa"),
+        ("the flash-attn package is not installed", "eager", "eager"),
+        (None, "sdpa", "sdpa"),
+    ],
+)
+def test_attention_follows_the_config_unless_flash_attn_cannot_run(monkeypatch, flash, requested, expected):
+    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: flash)
+    attention, warnings, problems = choose_attention("Llama-2-7b-chat-hf", requested)
+    assert attention == expected and problems == []
+    if expected == "sdpa" and requested == "auto":
+        (warning,) = warnings
+        assert warning.startswith(
+            "model config Llama-2-7b-chat-hf asks for flash_attention_2, but the flash-attn package is not "
+            "installed: every run uses model.model_args.attn_implementation=sdpa instead"
+        )
+        assert "`make flash-attn`" in warning and "pip install flash-attn --no-build-isolation" in warning
+    else:
+        assert warnings == []
+
+
+def test_flash_attention_asked_for_but_absent_stops_the_recipe(monkeypatch, capsys):
+    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: "the flash-attn package is not installed")
+    with pytest.raises(SystemExit) as stop:
+        recipe_main(["--forget", "01", "--attn", "flash_attention_2", "--gpus", "1"])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert (
+        "attn_implementation=flash_attention_2 asked for, but the flash-attn package is not installed: run "
+    ) in captured.err
+    assert "`make flash-attn`" in captured.err and "or ATTN=sdpa" in captured.err
+    assert captured.out.count("model.model_args.attn_implementation=flash_attention_2") == 2  # in the plan
+
+
+def test_flash_attention_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert recipe.flash_attention_problem() == "no CUDA device"
+
+
+@pytest.fixture
+def no_cache(monkeypatch):
+    """Nothing in the Hugging Face cache, datasets found; the hub's answer for models is set per test."""
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
+    monkeypatch.setattr(recipe, "_on_hub_or_cached", lambda repo_id, repo_type: True)
+
+
+def hub_answers(monkeypatch, error):
+    def metadata(url, timeout):
+        if error:
+            raise error
+        return object()
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+
+
+def test_a_gated_tokenizer_without_access_says_to_log_in(monkeypatch, no_cache):
+    hub_answers(monkeypatch, GatedRepoError("Access to model meta-llama/Llama-2-7b-chat-hf is restricted"))
+    problem = hub_problem("meta-llama/Llama-2-7b-chat-hf", "tokenizer", "tokenizer_config.json", {})
+    assert problem == (
+        "tokenizer meta-llama/Llama-2-7b-chat-hf is gated and this machine's token has no access: run "
+        "`huggingface-cli login` with a token of an account that has access (if gated, accept its licence at "
+        "https://huggingface.co/meta-llama/Llama-2-7b-chat-hf); or set MODEL_DIR to local weights saved with "
+        "their tokenizer"
+    )
+
+
+def test_hub_checks_offline_fail_at_once_and_online_ask_for_one_file(monkeypatch, no_cache):
+    hub_answers(monkeypatch, AssertionError("HF_HUB_OFFLINE=1 must not reach the hub"))
+    offline = hub_problem(
+        "meta-llama/Llama-2-7b-hf", "tokenizer", "tokenizer_config.json", {"HF_HUB_OFFLINE": "1"}
+    )
+    assert offline.startswith(
+        "tokenizer meta-llama/Llama-2-7b-hf: not in the Hugging Face cache and HF_HUB_OFFLINE=1"
+    )
+    assert "`huggingface-cli login`" in offline
+    hub_answers(monkeypatch, ConnectionError("Failed to resolve 'huggingface.co'"))
+    unreachable = hub_problem("open-unlearning/tofu_Llama-2-7b-chat-hf_full", "model", "config.json", {})
+    assert "hub is unreachable (ConnectionError)" in unreachable
+    requested = []
+    monkeypatch.setattr(
+        huggingface_hub, "get_hf_file_metadata", lambda url, timeout: requested.append(url) or object()
+    )
+    assert hub_problem("meta-llama/Llama-2-7b-hf", "tokenizer", "tokenizer_config.json", {}) is None
+    assert requested == ["https://huggingface.co/meta-llama/Llama-2-7b-hf/resolve/main/tokenizer_config.json"]
+
+
+def test_the_recipe_checks_the_model_configs_tokenizer(monkeypatch, no_cache):
+    asked = []
+
+    def metadata(url, timeout):
+        asked.append(url.split("/resolve/")[0].removeprefix("https://huggingface.co/"))
+        if asked[-1].startswith("meta-llama/"):
+            raise GatedRepoError("restricted")
+        return object()
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+    run = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=0)
+    problems = missing_requirements(run, {"MUSE_DIR": ""})
+    assert asked[:2] == ["muse-bench/MUSE-News_target", "meta-llama/Llama-2-7b-hf"]
+    assert any(p.startswith("tokenizer meta-llama/Llama-2-7b-hf is gated") for p in problems)
+    assert not any(p.startswith("model muse-bench/MUSE-News_target") for p in problems)
+
+
+def test_model_dir_needs_its_tokenizer(tmp_path, no_cache):
+    (tmp_path / "config.json").write_text("{}")
+    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=0, model_dir=str(tmp_path))
+    problems = missing_requirements(run, {"TOFU_DIR": ""})
+    assert any(p.startswith(f"MODEL_DIR={tmp_path} has no tokenizer") for p in problems)
+    assert not any("has no config.json" in p for p in problems)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert not any("MODEL_DIR" in p for p in missing_requirements(run, {"TOFU_DIR": ""}))
