@@ -42,7 +42,7 @@ DATA ?= synthetic
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup flash-attn test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
+.PHONY: setup flash-attn gpu-check test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
 	convergence bench
 
 setup:
@@ -53,6 +53,12 @@ setup:
 # against the installed torch and the CUDA toolkit (nvcc), which takes long; MAX_JOBS bounds the compiler's memory.
 flash-attn:
 	MAX_JOBS=$${MAX_JOBS:-4} $(PY) -m pip install --no-build-isolation flash-attn
+
+# make gpu-check [CPU=1] [STEPS=n]: a random-init |V|=32000 Llama through palu-train (PALU with and without the
+# reference cache, TPO, NPO; bf16; ZeRO-3 on >= 2 GPUs) and palu-eval on the local TOFU; steps/s and peak memory.
+gpu-check:
+	$(PY) -m palu_trainer.experiments.gpu_check --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
+		$(if $(CPU),--cpu) $(if $(STEPS),--steps $(STEPS))
 
 test:
 	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests

@@ -484,7 +484,7 @@ def ablation_runs(run: RecipeSettings, axis: str) -> list[tuple[str, RecipeSetti
 
 
 def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
-    port = _free_port()
+    port = free_port()
     steps = []
     for method, run in runs:
         title = run.task_name(method)
@@ -530,7 +530,7 @@ def write_comparison(
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
