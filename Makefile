@@ -12,14 +12,15 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
 
-# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR, RETAIN_LOGS and IDK_ANSWERS
-# replace hub ids and downloaded logs on offline clusters.
+# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
+# and IDK_ANSWERS replace hub ids and downloaded logs on offline clusters; ATTN=sdpa|flash_attention_2|eager
+# overrides the model config's attention (default: its own, sdpa with a warning where flash-attn cannot run).
 FORGET ?= 05
 MODEL ?= Llama-2-7b-chat-hf
 GPUS ?=
 LR ?= 1e-5
 LAMBDA ?= 1.0
-export TOFU_DIR MODEL_DIR RETAIN_LOGS IDK_ANSWERS
+export TOFU_DIR MODEL_DIR RETAIN_LOGS ORIGINAL_LOGS IDK_ANSWERS ATTN
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
 # make compare TUNE=1: the equal budget, every method at the paper's learning rates x its own knob
 TUNE ?=
@@ -41,11 +42,23 @@ DATA ?= synthetic
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation convergence bench
+.PHONY: setup flash-attn gpu-check test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
+	convergence bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
 	@bash scripts/setup.sh
+
+# FlashAttention-2 for the framework's model configs (they ask for it; without it the recipe uses sdpa): built
+# against the installed torch and the CUDA toolkit (nvcc), which takes long; MAX_JOBS bounds the compiler's memory.
+flash-attn:
+	MAX_JOBS=$${MAX_JOBS:-4} $(PY) -m pip install --no-build-isolation flash-attn
+
+# make gpu-check [CPU=1] [STEPS=n]: a random-init |V|=32000 Llama through palu-train (PALU with and without the
+# reference cache, TPO, NPO; bf16; ZeRO-3 on >= 2 GPUs) and palu-eval on the local TOFU; steps/s and peak memory.
+gpu-check:
+	$(PY) -m palu_trainer.experiments.gpu_check --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
+		$(if $(CPU),--cpu) $(if $(STEPS),--steps $(STEPS))
 
 test:
 	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests

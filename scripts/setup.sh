@@ -59,4 +59,7 @@ else
   rm -f "$requirements"
   echo "$digest" > "$stamp"
 fi
+if command -v nvidia-smi >/dev/null && ! "$PY" -c 'import flash_attn' 2>/dev/null; then
+  say "flash-attn not installed: the GPU recipe uses sdpa (with a warning); \`make flash-attn\` builds it (long)"
+fi
 say "done: $("$PY" -c 'import palu_trainer, torch, transformers; print("palu-trainer", palu_trainer.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"

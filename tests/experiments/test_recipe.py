@@ -2,19 +2,29 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
+import pytest
+from huggingface_hub.errors import GatedRepoError
+
+from palu_trainer.experiments import recipe
 from palu_trainer.experiments.methods import side_by_side_methods
 from palu_trainer.experiments.recipe import (
+    MuseRecipe,
     RecipeSettings,
+    choose_attention,
+    hub_problem,
     method_runs,
     missing_requirements,
     plan,
     write_comparison,
 )
 from palu_trainer.experiments.recipe import main as recipe_main
+from palu_trainer.framework.checkout import checkout_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,8 +45,21 @@ def test_make_tofu_prints_its_plan_then_fails_fast_without_gpus():
     assert "palu-eval experiment=eval/tofu/default" in result.stdout
     assert "CUDA GPU(s) needed, 0 visible" in result.stderr
     assert "model open-unlearning/tofu_Llama-2-7b-chat-hf_full" in result.stderr
+    # the framework's Llama-2 config loads its tokenizer from the gated meta-llama repository
+    assert (
+        "tokenizer meta-llama/Llama-2-7b-chat-hf: not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+        "online, run `huggingface-cli login`"
+    ) in result.stderr
     assert "retain model logs saves/eval/tofu_Llama-2-7b-chat-hf_retain95/TOFU_EVAL.json" in result.stderr
     assert "`make demo`" in result.stderr
+    # no flash-attn without CUDA: sdpa, said before the plan and passed to every run
+    assert "asks for flash_attention_2, but no CUDA device: every run uses" in result.stderr
+    launches = [
+        line for line in result.stdout.splitlines() if "/palu-train " in line or "/palu-eval " in line
+    ]
+    assert len(launches) == 2 and all(
+        "model.model_args.attn_implementation=sdpa" in line for line in launches
+    )
 
 
 def test_make_compare_plans_every_method_of_the_table(tmp_path):
@@ -170,3 +193,183 @@ def test_make_tofu_ablation_plans_every_point_then_fails_fast_without_gpus():
         "+eval/tofu_metrics@eval.tofu.metrics.mia_min_k_plus_plus=mia_min_k_plus_plus" in e for e in evals
     )
     assert "CUDA GPU(s) needed, 0 visible" in result.stderr
+
+
+def framework_script_path(script: str, option: str, **values) -> str:
+    """`option`'s value on the framework's own command lines in scripts/<script>, its shell variables set."""
+    text = (checkout_dir() / "scripts" / script).read_text()
+    (value,) = {match for match in re.findall(rf"{re.escape(option)}=(\S+)", text)}
+    return re.sub(r"\$\{(\w+)\}", lambda match: values[match.group(1)], value)
+
+
+def test_retain_and_original_logs_are_where_the_framework_scripts_write_them():
+    run = RecipeSettings(forget="05", model="Llama-3.2-1B-Instruct", gpus=1)
+    values = {"model": run.model, "forget_split": "forget05", "retain_split": "retain95"}
+    # tofu_finetune.sh evaluates the full model into saves/eval/tofu_<model>_full/evals_<forget split>
+    full_dir = [
+        line.split("paths.output_dir=")[1].split()[0]
+        for line in (checkout_dir() / "scripts" / "tofu_finetune.sh").read_text().splitlines()
+        if "paths.output_dir=" in line
+    ]
+    assert full_dir == ["saves/eval/tofu_${model}_full/evals_${forget_split}"]
+    assert (
+        run.original_logs_path == "saves/eval/tofu_Llama-3.2-1B-Instruct_full/evals_forget05/TOFU_EVAL.json"
+    )
+    # ... and the retain model with task_name=tofu_<model>_<retain>, into eval's default
+    # saves/eval/<task_name>; its unlearning script reads that file as retain_logs_path
+    assert run.retain_logs_path == framework_script_path("tofu_unlearn.sh", "retain_logs_path", **values)
+    muse = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=1)
+    muse_values = {"model": "Llama-2-7b-hf", "data_split": "News"}
+    assert muse.retain_logs_path == framework_script_path(
+        "muse_unlearn.sh", "retain_logs_path", **muse_values
+    )
+    assert (
+        RecipeSettings("05", "m", 1, original_logs="/logs/full.json").original_logs_path == "/logs/full.json"
+    )
+
+
+def test_logs_in_the_framework_checkout_are_found_there(tmp_path, monkeypatch):
+    """`setup_data.py --eval_logs`, run in the framework checkout, writes saves/eval there."""
+    monkeypatch.chdir(tmp_path)
+    checkout = tmp_path / "checkout"
+    monkeypatch.setenv("OPEN_UNLEARNING_DIR", str(checkout))
+    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=1)
+    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    fake_eval(checkout / run.original_logs_path, 1e-20, 0.95)
+    assert run.original_logs_path == str(
+        checkout / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    )
+    fake_eval(tmp_path / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json", 1e-20, 0.95)
+    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+
+
+def test_make_compare_names_the_original_logs_and_takes_original_logs(tmp_path):
+    result = make("compare", "FORGET=01")
+    assert result.returncode == 2
+    assert (
+        "Original model logs saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json not found"
+    ) in result.stderr
+    assert "`python setup_data.py --eval_logs`" in result.stderr and "ORIGINAL_LOGS" in result.stderr
+    fake_eval(tmp_path / "full.json", 1e-20, 0.95)
+    result = make("compare", "FORGET=01", f"ORIGINAL_LOGS={tmp_path / 'full.json'}")
+    assert result.returncode == 2  # still no GPU here, but the Original logs are found
+    assert "Original model logs" not in result.stderr and "CUDA GPU(s) needed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flash", "requested", "expected"),
+    [
+        (None, "auto", None),  # flash-attn imports: the config's own flash_attention_2
+        ("the flash-attn package is not installed", "auto", "sdpa"),
+        ("the flash-attn package is not installed", "eager", "eager"),
+        (None, "sdpa", "sdpa"),
+    ],
+)
+def test_attention_follows_the_config_unless_flash_attn_cannot_run(monkeypatch, flash, requested, expected):
+    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: flash)
+    attention, warnings, problems = choose_attention("Llama-2-7b-chat-hf", requested)
+    assert attention == expected and problems == []
+    if expected == "sdpa" and requested == "auto":
+        (warning,) = warnings
+        assert warning.startswith(
+            "model config Llama-2-7b-chat-hf asks for flash_attention_2, but the flash-attn package is not "
+            "installed: every run uses model.model_args.attn_implementation=sdpa instead"
+        )
+        assert "`make flash-attn`" in warning and "pip install flash-attn --no-build-isolation" in warning
+    else:
+        assert warnings == []
+
+
+def test_flash_attention_asked_for_but_absent_stops_the_recipe(monkeypatch, capsys):
+    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: "the flash-attn package is not installed")
+    with pytest.raises(SystemExit) as stop:
+        recipe_main(["--forget", "01", "--attn", "flash_attention_2", "--gpus", "1"])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert (
+        "attn_implementation=flash_attention_2 asked for, but the flash-attn package is not installed: run "
+    ) in captured.err
+    assert "`make flash-attn`" in captured.err and "or ATTN=sdpa" in captured.err
+    assert captured.out.count("model.model_args.attn_implementation=flash_attention_2") == 2  # in the plan
+
+
+def test_flash_attention_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    assert recipe.flash_attention_problem() == "no CUDA device"
+
+
+@pytest.fixture
+def no_cache(monkeypatch):
+    """Nothing in the Hugging Face cache, datasets found; the hub's answer for models is set per test."""
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
+    monkeypatch.setattr(recipe, "_on_hub_or_cached", lambda repo_id, repo_type: True)
+
+
+def hub_answers(monkeypatch, error):
+    def metadata(url, timeout):
+        if error:
+            raise error
+        return object()
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+
+
+def test_a_gated_tokenizer_without_access_says_to_log_in(monkeypatch, no_cache):
+    hub_answers(monkeypatch, GatedRepoError("Access to model meta-llama/Llama-2-7b-chat-hf is restricted"))
+    problem = hub_problem("meta-llama/Llama-2-7b-chat-hf", "tokenizer", "tokenizer_config.json", {})
+    assert problem == (
+        "tokenizer meta-llama/Llama-2-7b-chat-hf is gated and this machine's token has no access: run "
+        "`huggingface-cli login` with a token of an account that has access (if gated, accept its licence at "
+        "https://huggingface.co/meta-llama/Llama-2-7b-chat-hf); or set MODEL_DIR to local weights saved with "
+        "their tokenizer"
+    )
+
+
+def test_hub_checks_offline_fail_at_once_and_online_ask_for_one_file(monkeypatch, no_cache):
+    hub_answers(monkeypatch, AssertionError("HF_HUB_OFFLINE=1 must not reach the hub"))
+    offline = hub_problem(
+        "meta-llama/Llama-2-7b-hf", "tokenizer", "tokenizer_config.json", {"HF_HUB_OFFLINE": "1"}
+    )
+    assert offline.startswith(
+        "tokenizer meta-llama/Llama-2-7b-hf: not in the Hugging Face cache and HF_HUB_OFFLINE=1"
+    )
+    assert "`huggingface-cli login`" in offline
+    hub_answers(monkeypatch, ConnectionError("Failed to resolve 'huggingface.co'"))
+    unreachable = hub_problem("open-unlearning/tofu_Llama-2-7b-chat-hf_full", "model", "config.json", {})
+    assert "hub is unreachable (ConnectionError)" in unreachable
+    requested = []
+    monkeypatch.setattr(
+        huggingface_hub, "get_hf_file_metadata", lambda url, timeout: requested.append(url) or object()
+    )
+    assert hub_problem("meta-llama/Llama-2-7b-hf", "tokenizer", "tokenizer_config.json", {}) is None
+    assert requested == ["https://huggingface.co/meta-llama/Llama-2-7b-hf/resolve/main/tokenizer_config.json"]
+
+
+def test_the_recipe_checks_the_model_configs_tokenizer(monkeypatch, no_cache):
+    asked = []
+
+    def metadata(url, timeout):
+        asked.append(url.split("/resolve/")[0].removeprefix("https://huggingface.co/"))
+        if asked[-1].startswith("meta-llama/"):
+            raise GatedRepoError("restricted")
+        return object()
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+    run = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=0)
+    problems = missing_requirements(run, {"MUSE_DIR": ""})
+    assert asked[:2] == ["muse-bench/MUSE-News_target", "meta-llama/Llama-2-7b-hf"]
+    assert any(p.startswith("tokenizer meta-llama/Llama-2-7b-hf is gated") for p in problems)
+    assert not any(p.startswith("model muse-bench/MUSE-News_target") for p in problems)
+
+
+def test_model_dir_needs_its_tokenizer(tmp_path, no_cache):
+    (tmp_path / "config.json").write_text("{}")
+    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=0, model_dir=str(tmp_path))
+    problems = missing_requirements(run, {"TOFU_DIR": ""})
+    assert any(p.startswith(f"MODEL_DIR={tmp_path} has no tokenizer") for p in problems)
+    assert not any("has no config.json" in p for p in problems)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert not any("MODEL_DIR" in p for p in missing_requirements(run, {"TOFU_DIR": ""}))

@@ -11,6 +11,7 @@ baselines keep the framework's method arguments (PDU: its community run.sh value
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -31,7 +32,7 @@ from palu_trainer.experiments.methods import (
     tofu_overrides,
     tuning_grid,
 )
-from palu_trainer.framework.checkout import checkout_dir
+from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
 from palu_trainer.framework.plugin import write_accelerate_config
 
 GLOBAL_BATCH = 32
@@ -39,6 +40,73 @@ PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
 SPLITS = {"01": ("forget01", "retain99", "holdout01"), "05": ("forget05", "retain95", "holdout05"),
           "10": ("forget10", "retain90", "holdout10")}  # fmt: skip
+FLASH_ATTN_INSTALL = "make flash-attn"  # MAX_JOBS=4 pip install flash-attn --no-build-isolation
+HF_LOGIN = "huggingface-cli login"
+
+
+def framework_log(relative: str) -> str:
+    """An evaluation log the framework keeps under `saves/eval/`: here (relative to this directory), else in
+    the framework checkout, where its `python setup_data.py --eval_logs` downloads them; `relative` if in
+    neither (the check then names it)."""
+    if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
+        return str(checkout_dir() / relative)
+    return relative
+
+
+def model_config(name: str) -> dict:
+    """The model config `model=<name>` composes: the framework's configs/model/<name>.yaml, or this
+    plugin's; empty if neither has it."""
+    import yaml
+
+    for directory in (checkout_dir() / "configs" / "model", CONFIG_DIR / "model"):
+        path = directory / f"{name}.yaml"
+        if path.is_file():
+            return yaml.safe_load(path.read_text()) or {}
+    return {}
+
+
+def flash_attention_problem() -> str | None:
+    """Why `attn_implementation=flash_attention_2` cannot run here, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as error:  # a wheel built for another torch or CUDA fails here, not at find_spec
+        return f"flash-attn does not import ({type(error).__name__}: {error})"
+    return None
+
+
+def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, list[str], list[str]]:
+    """(the attention override for every run or None for the config's own, warnings, problems).
+
+    `auto`: the model config's attention, except flash_attention_2 without a working flash-attn, which
+    becomes sdpa with a warning (the framework's Llama and Qwen configs all ask for flash_attention_2).
+    An explicit `flash_attention_2` that cannot run is a problem; any other explicit value is used as is.
+    """
+    configured = model_config(model).get("model_args", {}).get("attn_implementation")
+    wanted = configured if requested == "auto" else requested
+    if wanted != "flash_attention_2":
+        return (None if wanted == configured else wanted), [], []
+    problem = flash_attention_problem()
+    if problem is None:
+        return (None if configured == wanted else wanted), [], []
+    if requested == "flash_attention_2":
+        problem = (
+            f"attn_implementation=flash_attention_2 asked for, but {problem}: run `{FLASH_ATTN_INSTALL}` "
+            "(MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit), or ATTN=sdpa"
+        )
+        return wanted, [], [problem]
+    warning = (
+        f"model config {model} asks for flash_attention_2, but {problem}: every run uses "
+        "model.model_args.attn_implementation=sdpa instead (the same model, numerically close, slower and "
+        f"more memory on long sequences). For FlashAttention-2: `{FLASH_ATTN_INSTALL}` on the GPU machine "
+        "(MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
+    )
+    return "sdpa", [warning], []
 
 
 @dataclass(frozen=True)
@@ -55,6 +123,9 @@ class RecipeSettings:
     idk_answers: str | None = None
     variant: tuple[tuple[str, str], ...] = ()  # (name, value) of a tuned knob or an ablation point
     extra: tuple[str, ...] = ()  # the variant's overrides, last on the unlearning command line
+    original_logs: str | None = None
+    # the attention every run uses, when it differs from the model config's (choose_attention)
+    attn_implementation: str | None = None
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -81,13 +152,27 @@ class RecipeSettings:
         return self.model_dir or f"open-unlearning/tofu_{self.model}_full"
 
     @property
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer the runs load: MODEL_DIR's, else the model config's (a gated meta-llama/* id for the
+        framework's Llama configs)."""
+        return self.model_dir or model_config(self.model).get("tokenizer_args", {}).get(
+            "pretrained_model_name_or_path"
+        )
+
+    @property
     def retain_logs_path(self) -> str:
-        return self.retain_logs or f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
+        """Where the framework's `scripts/tofu_finetune.sh` evaluates the retain model (task_name
+        tofu_<model>_<retain split>, eval's default output folder), as `setup_data.py --eval_logs` has it."""
+        return self.retain_logs or framework_log(
+            f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
+        )
 
     @property
     def original_logs_path(self) -> str:
-        """The finetuned target's own evaluation, from the same `setup_data.py --eval_logs` download."""
-        return f"saves/eval/tofu_{self.model}_full/TOFU_EVAL.json"
+        """Where `scripts/tofu_finetune.sh` evaluates the full (Original) model on this forget split:
+        `paths.output_dir=saves/eval/tofu_<model>_full/evals_<forget split>`."""
+        default = f"saves/eval/tofu_{self.model}_full/evals_{self.splits[0]}/TOFU_EVAL.json"
+        return self.original_logs or framework_log(default)
 
     @property
     def idk_answers_path(self) -> str:
@@ -158,11 +243,16 @@ class MuseRecipe(RecipeSettings):
 
     @property
     def retain_logs_path(self) -> str:
-        return self.retain_logs or f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+        """As `scripts/muse_unlearn.sh` passes it (`setup_data.py --eval_logs` has it there)."""
+        return self.retain_logs or framework_log(
+            f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+        )
 
     @property
     def original_logs_path(self) -> str:
-        return f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+        """The target's logs in the same download (no framework script writes them)."""
+        default = f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+        return self.original_logs or framework_log(default)
 
     def describe(self) -> str:
         return f"MUSE-{self.forget}"
@@ -217,6 +307,7 @@ def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, p
         f"trainer.args.gradient_accumulation_steps={accumulation}",
         f"trainer.args.learning_rate={run.learning_rate}",
         "trainer.args.gradient_checkpointing=true",
+        *attention_overrides(run),
     ]
     if run.model_dir:
         command.append(f"model.tokenizer_args.pretrained_model_name_or_path={run.model_dir}")
@@ -241,7 +332,14 @@ def eval_command(run: RecipeSettings, method: str) -> list[str]:
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
         f"paths.output_dir={run.eval_path(method).parent}",
         f"retain_logs_path={run.retain_logs_path}",
+        *attention_overrides(run),
     ]
+
+
+def attention_overrides(run: RecipeSettings) -> list[str]:
+    return (
+        [f"model.model_args.attn_implementation={run.attn_implementation}"] if run.attn_implementation else []
+    )
 
 
 def missing_requirements(
@@ -257,7 +355,12 @@ def missing_requirements(
             f"--idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer per line"
         )
     if needs_original_logs and not Path(run.original_logs_path).is_file():
-        problems.append(f"{run.original_logs_path} not found: the comparison table's Original row needs it")
+        problems.append(
+            f"Original model logs {run.original_logs_path} not found (the comparison table's Original "
+            f"row): run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
+            "there or here), or evaluate the target as the framework's scripts/tofu_finetune.sh does, or set "
+            "ORIGINAL_LOGS"
+        )
     if torch.cuda.device_count() < run.gpus:
         problems.append(
             f"{run.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe fine-tunes a "
@@ -268,18 +371,74 @@ def missing_requirements(
             problems.append(
                 f"MODEL_DIR={run.model_dir} has no config.json (save_pretrained weights expected)"
             )
-    elif not _on_hub_or_cached(run.model_path, "model"):
+        if not any((Path(run.model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            problems.append(
+                f"MODEL_DIR={run.model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the recipe "
+                "loads the tokenizer from it too; save it there with tokenizer.save_pretrained"
+            )
+    elif not model_config(run.model):
         problems.append(
-            f"model {run.model_path}: not in the Hugging Face cache and the hub is unreachable; set MODEL_DIR"
+            f"no model config {run.model}.yaml in {checkout_dir() / 'configs' / 'model'} or "
+            f"{CONFIG_DIR / 'model'}: MODEL= names one of the framework's model configs"
+        )
+    else:
+        problems.extend(
+            problem
+            for problem in (
+                hub_problem(run.model_path, "model", "config.json", environ),
+                hub_problem(run.tokenizer_path, "tokenizer", "tokenizer_config.json", environ),
+            )
+            if problem
         )
     problems.extend(run.dataset_problems(environ))
     if not Path(run.retain_logs_path).is_file():
         problems.append(
             f"retain model logs {run.retain_logs_path} not found (forget quality / privleak need them): run "
-            f"`python setup_data.py --eval_logs` in {checkout_dir()} and copy its saves/eval here, "
-            "or set RETAIN_LOGS"
+            f"`python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from there or "
+            "here), or set RETAIN_LOGS"
         )
     return problems
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.environ) -> str | None:
+    """Whether this machine can load `repo_id` (a model or tokenizer on the hub) without downloading it now:
+    None when `filename` is in the Hugging Face cache or the hub serves it to this machine's token (a HEAD
+    request for that one file: no weights move), else what is wrong and what to do. Gated repositories
+    (meta-llama/*: the framework's Llama configs load their tokenizer from there) need a login whose account
+    accepted the licence; offline, it fails at once."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if not repo_id or Path(repo_id).is_dir():
+        return None if repo_id else f"{what}: no pretrained_model_name_or_path in the model config"
+    if isinstance(try_to_load_from_cache(repo_id, filename), str):
+        return None
+    login = (
+        f"run `{HF_LOGIN}` with a token of an account that has access (if gated, accept its licence at "
+        f"https://huggingface.co/{repo_id})"
+    )
+    local = "or set MODEL_DIR to local weights saved with their tokenizer"
+    if environ.get("HF_HUB_OFFLINE") == "1":
+        return (
+            f"{what} {repo_id}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; online, {login}; {local}"
+        )
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename), timeout=10)
+    except GatedRepoError:
+        return f"{what} {repo_id} is gated and this machine's token has no access: {login}; {local}"
+    except RepositoryNotFoundError:
+        return (
+            f"{what} {repo_id}: not on the hub for this machine's token (private or gated?): {login}; {local}"
+        )
+    except Exception as error:  # offline, DNS failure, timeout
+        return (
+            f"{what} {repo_id}: not in the Hugging Face cache and the hub is unreachable "
+            f"({type(error).__name__}); online, {login}; {local}"
+        )
+    return None
 
 
 def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
@@ -325,7 +484,7 @@ def ablation_runs(run: RecipeSettings, axis: str) -> list[tuple[str, RecipeSetti
 
 
 def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
-    port = _free_port()
+    port = free_port()
     steps = []
     for method, run in runs:
         title = run.task_name(method)
@@ -371,7 +530,7 @@ def write_comparison(
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -398,6 +557,18 @@ def main(argv=None) -> None:
     parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
     parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
     parser.add_argument(
+        "--original-logs",
+        default=os.environ.get("ORIGINAL_LOGS") or None,
+        help="the Original (target) model's evaluation for --report (default: where the framework has it)",
+    )
+    parser.add_argument(
+        "--attn",
+        default=os.environ.get("ATTN") or "auto",
+        choices=("auto", "flash_attention_2", "sdpa", "eager"),
+        help="attention of every run; auto: the model config's, sdpa (with a warning) where it asks for "
+        "flash_attention_2 and flash-attn cannot run",
+    )
+    parser.add_argument(
         "--idk-answers", default=os.environ.get("IDK_ANSWERS") or None, help="DPO's idk.jsonl"
     )
     parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
@@ -421,8 +592,18 @@ def main(argv=None) -> None:
     muse = args.bench == "muse"
     settings, forget = (MuseRecipe, args.split) if muse else (RecipeSettings, args.forget)
     model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
+    attention, warnings, attention_problems = choose_attention(model, args.attn)
     run = settings(
-        forget, model, gpus, args.lr, args.kl_weight, args.model_dir, args.retain_logs, args.idk_answers
+        forget,
+        model,
+        gpus,
+        args.lr,
+        args.kl_weight,
+        args.model_dir,
+        args.retain_logs,
+        args.idk_answers,
+        original_logs=args.original_logs,
+        attn_implementation=attention,
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
@@ -433,12 +614,14 @@ def main(argv=None) -> None:
         runs = method_runs(run, args.methods, args.tune)
         what = ", ".join(args.methods) + (" (lr x knob grid)" if args.tune else "")
     steps = plan(runs, accelerate_config)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     print(f"plan: {run.describe()}, {model}, {gpus} GPU(s), {what}: {len(runs)} runs")
     for title, command in steps:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
         return
-    problems = missing_requirements(
+    problems = attention_problems + missing_requirements(
         run,
         needs_original_logs=args.report is not None,
         needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),

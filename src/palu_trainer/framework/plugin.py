@@ -397,6 +397,8 @@ def _run_framework_script(script: str, config_name: str) -> None:
         print(usage(prog, script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
+    from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
+
     src = ensure_importable()
     register()
     _precheck(prog, script, config_name, src.parent / "configs", sys.argv[1:])
@@ -435,6 +437,8 @@ def _run_framework_script(script: str, config_name: str) -> None:
             if warning:
                 logger.warning(warning)
             module.load_trainer = _resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
+                module.load_trainer = with_run_stats(module.load_trainer)
             module.get_data = _checking_data(get_data, cfg)
         try:
             framework_main(cfg)

@@ -1,0 +1,78 @@
+"""Step times and peak memory of one `palu-train` run, for `make gpu-check`.
+
+With `PALU_RUN_STATS=1` in its environment, `palu-train` adds a TrainerCallback that writes
+`run_stats_rank<R>.json` into the run's output folder when training ends: the seconds at the end of every
+optimizer step (CUDA synchronised first), the process's peak GPU memory (`torch.cuda.max_memory_allocated`
+over the whole process: model load, reference model or cache, training) and its peak resident memory.
+Without the variable nothing changes.
+"""
+
+import functools
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+RUN_STATS_VARIABLE = "PALU_RUN_STATS"
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class RunStatsCallback(TrainerCallback):
+    """Records when each optimizer step ends; writes them with the peak memory at the end of training."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = Path(output_dir)
+        self.start = None
+        self.step_ends: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _synchronize()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        _synchronize()
+        self.step_ends.append(time.perf_counter() - self.start)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import torch
+
+        rank = int(os.environ.get("RANK", "0"))
+        cuda = torch.cuda.is_available()
+        stats = {
+            "rank": rank,
+            "steps": len(self.step_ends),
+            "step_end_seconds": [round(seconds, 6) for seconds in self.step_ends],
+            "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            # Linux reports ru_maxrss in KiB
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"run_stats_rank{rank}.json").write_text(json.dumps(stats, indent=1))
+
+
+def with_run_stats(load_trainer):
+    """The framework's `load_trainer`, whose trainer gets a `RunStatsCallback` on its output folder."""
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        trainer, trainer_args = load_trainer(*args, **kwargs)
+        trainer.add_callback(RunStatsCallback(trainer_args.output_dir))
+        return trainer, trainer_args
+
+    return load
+
+
+def read_run_stats(output_dir: Path) -> list[dict]:
+    """Every rank's stats of the run in `output_dir`, rank 0 first; empty if it wrote none."""
+    files = sorted(Path(output_dir).glob("run_stats_rank*.json"), key=lambda p: int(p.stem.split("rank")[1]))
+    return [json.loads(path.read_text()) for path in files]
