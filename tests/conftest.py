@@ -161,6 +161,21 @@ def tiny_model_dir(tmp_path_factory, tofu_rows):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), texts, vocab_size=2048)
 
 
+def tied_and_untied_models(tmp_path_factory, tofu_rows, vocabulary: int) -> dict[bool, Path]:
+    """Tiny Llamas at a real model's |V| (a TOFU-trained BPE filled up with unused tokens), keyed by whether
+    their output embeddings are tied."""
+    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
+    return {
+        tied: save_tiny_model(
+            tmp_path_factory.mktemp(f"vocabulary-{vocabulary}-tied-{tied}"),
+            texts,
+            padded_vocab_size=vocabulary,
+            tie_word_embeddings=tied,
+        )
+        for tied in (True, False)
+    }
+
+
 def make_tofu_mirror(mirror: Path, tofu_dir: Path, replaced: dict[str, list[dict]]) -> Path:
     """A TOFU_DIR: the shared TOFU files; `replaced` configs are added or overridden with the given rows."""
     header = yaml.safe_load((tofu_dir / "README.md").read_text().split("---")[1])

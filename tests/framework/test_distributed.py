@@ -21,14 +21,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.plugin import write_accelerate_config
 from palu_trainer.method.losses import chunk_count, label_positions, logit_chunk_rows
 from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.spans.format import write_annotations
 from palu_trainer.spans.tpo import read_tpo
 
-from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl
+from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset
 from .test_integration import PALU_TRAIN, QUICK_RUN
 
@@ -50,16 +49,7 @@ LOGGED = {"PALU": ("loss", "local_loss", "kl_loss", "retain_loss", "grad_norm"),
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tofu_rows):
-    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
-    return {
-        tied: save_tiny_model(
-            tmp_path_factory.mktemp(f"llama3-vocabulary-{tied}"),
-            texts,
-            padded_vocab_size=VOCABULARY,
-            tie_word_embeddings=tied,
-        )
-        for tied in (True, False)
-    }
+    return tied_and_untied_models(tmp_path_factory, tofu_rows, VOCABULARY)
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.spans.tpo import read_tpo
 
-from ..conftest import TAG_TEMPLATE, read_jsonl
+from ..conftest import TAG_TEMPLATE, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset
 
 ensure_importable()
@@ -43,17 +42,8 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def users_model_dirs(tmp_path_factory, tofu_rows):
-    """|V| = 32000 Llamas (a TOFU-trained BPE filled up with unused tokens), tied and untied."""
-    texts = [row["question"] + "\n" + row["answer"] for row in tofu_rows]
-    return {
-        tied: save_tiny_model(
-            tmp_path_factory.mktemp(f"users-{tied}"),
-            texts,
-            padded_vocab_size=USERS_VOCABULARY,
-            tie_word_embeddings=tied,
-        )
-        for tied in (True, False)
-    }
+    """|V| = 32000 Llamas, tied and untied."""
+    return tied_and_untied_models(tmp_path_factory, tofu_rows, USERS_VOCABULARY)
 
 
 @pytest.fixture(scope="module")
