@@ -42,7 +42,7 @@ DATA ?= synthetic
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup flash-attn gpu-check test lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
+.PHONY: setup flash-attn gpu-check test test-fast lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
 	convergence bench
 
 setup:
@@ -62,6 +62,11 @@ gpu-check:
 
 test:
 	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests
+
+# The suite without the runs that train end to end or launch two processes (markers in pyproject.toml): a loop
+# while editing; make test runs everything.
+test-fast:
+	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra -m "not slow and not distributed" tests
 
 lint:
 	$(PY) -m ruff check src tests scripts perf

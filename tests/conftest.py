@@ -22,6 +22,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def pytest_collection_modifyitems(items):
+    """`needs_shared` follows the fixtures: a test reads ../shared directly or through another fixture."""
+    for item in items:
+        if "shared_dir" in item.fixturenames:
+            item.add_marker(pytest.mark.needs_shared)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """../shared (TOFU and GPT-4o spans): required in CI, skipped with a reason in a user's clone."""

@@ -5,9 +5,12 @@ Both share the session's FAST results folder with the demo's test, so Original a
 
 import json
 
+import pytest
+
 from palu_trainer.experiments import ablation, convergence
 
 
+@pytest.mark.slow
 def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
     ablation.main([
         "--fast", "--results", str(fast_results), "--jobs", "2", "--axes", "k",
@@ -45,6 +48,7 @@ def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
     assert (run_dir / "k.png").stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_two_epoch_convergence_evaluates_every_checkpoint_then_removes_it(fast_results):
     convergence.main(["--fast", "--results", str(fast_results), "--jobs", "2", "--epochs", "2"])
     run_dir = fast_results / "convergence-fast"

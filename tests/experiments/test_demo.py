@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_fast_demo_produces_the_report_and_a_memorising_original(fast_results):
     command = [
         sys.executable,
@@ -41,6 +44,7 @@ def test_fast_demo_produces_the_report_and_a_memorising_original(fast_results):
     assert "## The paper's Table 2: membership inference AUCs" in table and "| needs hub |" in table
 
 
+@pytest.mark.slow
 def test_fast_muse_demo_unlearns_a_model_that_memorised_news_articles(tmp_path, muse_news_dir):
     command = [
         *(sys.executable, "-m", "palu_trainer.experiments.demo", "--bench", "muse", "--fast"),

@@ -59,6 +59,7 @@ def test_recipe_plans_a_new_table_entry(with_wga, capsys):
     assert "experiment=unlearn/tofu/idk_local" in dpo_line and "idk_path=" in dpo_line
 
 
+@pytest.mark.slow
 def test_bench_times_a_new_table_entry(with_wga, tmp_path):
     out = tmp_path / "bench.json"
     tiny = [

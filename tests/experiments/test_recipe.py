@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(*args, **env):
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    """Runs a make target as on a machine without GPUs (the fail-fast path), also where a GPU is present."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", **env}
     python = f"PY={sys.executable}"
     return subprocess.run(
         ["make", "-s", "-C", str(ROOT), python, *args], env=environment, capture_output=True, text=True

@@ -296,6 +296,7 @@ def run(command, overrides, tofu_mirror, model_dir, out_dir, script="palu-train"
     return result.returncode, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_palu_train_refuses_bad_options_before_loading(tmp_path, tiny_model_dir, tofu_mirror):
     code, output = run(
         QUICK_RUN,
@@ -311,6 +312,7 @@ def test_palu_train_refuses_bad_options_before_loading(tmp_path, tiny_model_dir,
     assert "local dataset mirror" not in output and "reference_cache=auto" not in output  # before loading
 
 
+@pytest.mark.slow
 def test_palu_train_refuses_overlapping_forget_and_retain_before_the_trainer(
     tmp_path, tiny_model_dir, tofu_mirror
 ):
@@ -329,6 +331,7 @@ def test_palu_train_refuses_overlapping_forget_and_retain_before_the_trainer(
     assert "Traceback" not in output
 
 
+@pytest.mark.slow
 def test_resuming_on_other_forget_data_stops_and_a_mid_epoch_checkpoint_warns(
     tmp_path, tiny_model_dir, tofu_mirror
 ):
@@ -351,6 +354,7 @@ def test_resuming_on_other_forget_data_stops_and_a_mid_epoch_checkpoint_warns(
     assert "the reference cache" not in output and "Traceback" not in output
 
 
+@pytest.mark.slow
 def test_offline_without_tofu_dir_says_tofu_dir(tmp_path, tiny_model_dir, tofu_mirror):
     code, output = run(
         QUICK_RUN, [], tofu_mirror, tiny_model_dir, tmp_path, TOFU_DIR=None, HF_DATASETS_OFFLINE="1"
@@ -359,6 +363,7 @@ def test_offline_without_tofu_dir_says_tofu_dir(tmp_path, tiny_model_dir, tofu_m
     assert "Offline, set TOFU_DIR=/path to a local copy of it" in output
 
 
+@pytest.mark.slow
 def test_palu_eval_on_an_interrupted_run_names_its_checkpoint(tmp_path, tiny_model_dir, tofu_mirror):
     (tmp_path / "run" / "checkpoint-6").mkdir(parents=True)
     command = ["experiment=eval/tofu/default", "+runtime=cpu", "model=tiny-llama", "task_name=e"]

@@ -63,6 +63,7 @@ def changed_tensors(model_dir, out_dir):
 
 
 @pytest.mark.parametrize("trainer", ["PALU", "PALU_release"])
+@pytest.mark.slow
 def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirror, shared_dir, trainer):
     annotations = tmp_path / "forget01.jsonl"
     import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", annotations)
@@ -94,6 +95,7 @@ def test_palu_through_the_framework_train_py(tmp_path, tiny_model_dir, tofu_mirr
     print("PALU log lines:", *steps, sep="\n")
 
 
+@pytest.mark.slow
 def test_npo_through_the_same_entry_point(tmp_path, tiny_model_dir, tofu_mirror):
     out = tmp_path / "npo"
     history, _ = palu_train(

@@ -132,6 +132,7 @@ def run_entry_point(*argv, timeout=120):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_help_is_a_short_usage_and_hydras_stays_reachable():
     result = run_entry_point("--help")
     assert result.returncode == 0
@@ -150,6 +151,7 @@ def test_help_is_a_short_usage_and_hydras_stays_reachable():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
+@pytest.mark.slow
 def test_a_cpu_run_without_the_cpu_overlay_stops_before_loading(tmp_path):
     result = run_entry_point(
         "--config-name=unlearn.yaml",
@@ -163,6 +165,7 @@ def test_a_cpu_run_without_the_cpu_overlay_stops_before_loading(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="+runtime=cpu")
+@pytest.mark.slow
 def test_resuming_from_a_model_only_checkpoint_stops_before_loading(tmp_path):
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()

@@ -229,11 +229,31 @@ def test_kl_retain_keeps_the_reference_model(make_trainer):
     assert not trainer.uses_reference_cache and trainer.ref_model is not None
 
 
-def test_retain_none_skips_the_retain_forward(make_trainer):
-    trainer = make_trainer(max_steps=1, retain_loss_type="none", kl_weight=0.0, top_k=64)
+def policy_forward_batches(trainer) -> list[int]:
+    """Trains and returns the batch size of every forward of the policy model."""
+    batches = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: batches.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     trainer.train()
-    (logged,) = [entry for entry in trainer.state.log_history if "local_loss" in entry]
-    assert logged["retain_loss"] == 0.0 and logged["loss"] == pytest.approx(logged["local_loss"], rel=1e-3)
+    hook.remove()
+    return batches
+
+
+@pytest.mark.parametrize("retain_loss_type", ["none", "NLL"])
+def test_retain_none_skips_the_retain_forward(make_trainer, retain_loss_type):
+    steps = 2
+    trainer = make_trainer(max_steps=steps, retain_loss_type=retain_loss_type, kl_weight=0.0, top_k=64)
+    forwards = policy_forward_batches(trainer)
+    cache_build = 1  # the reference cache is built with the policy's weights before the first step
+    assert len(forwards) == cache_build + steps * (1 if retain_loss_type == "none" else 2)
+    (logged, *_) = [entry for entry in trainer.state.log_history if "local_loss" in entry]
+    if retain_loss_type == "none":
+        assert logged["retain_loss"] == 0.0 and logged["loss"] == pytest.approx(
+            logged["local_loss"], rel=1e-3
+        )
+    else:
+        assert logged["retain_loss"] > 0.0
 
 
 def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
