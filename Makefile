@@ -12,7 +12,7 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
 
-# The paper's TOFU recipe on GPUs (README, "Reproducing the paper"); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
+# The paper's TOFU recipe on GPUs (docs/reproducing.md); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
 # and IDK_ANSWERS replace hub ids and downloaded logs on offline clusters; ATTN=sdpa|flash_attention_2|eager
 # overrides the model config's attention (default: its own, sdpa with a warning where flash-attn cannot run).
 FORGET ?= 05
