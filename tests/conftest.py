@@ -29,15 +29,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.needs_shared)
 
 
+def unavailable(message: str):
+    """A test's data or model is not here: fail in CI (`CI` set), else skip with the reason."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """../shared (TOFU and GPT-4o spans): required in CI, skipped with a reason in a user's clone."""
     path = Path(os.environ.get("PALU_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
     if not (path / "data" / "tofu" / "README.md").is_file():
-        message = f"TOFU data not found at {path}/data/tofu (set PALU_SHARED to the shared/ folder)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"TOFU data not found at {path}/data/tofu (set PALU_SHARED to the shared/ folder)")
     return path
 
 
@@ -46,10 +50,7 @@ def muse_news_dir(shared_dir) -> Path:
     """../shared/data/muse_news, a partial MUSE-News in the hub's layout."""
     path = shared_dir / "data" / "muse_news"
     if not (path / "README.md").is_file():
-        message = f"MUSE-News data not found at {path}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"MUSE-News data not found at {path}")
     return path
 
 

@@ -244,6 +244,23 @@ def eval_command(out: Path, size: CheckSize, cpu: bool, attention: str) -> list[
     ]
 
 
+def offline_environment(tofu_mirror: Path, out: Path, omp_threads: str) -> dict:
+    """The environment of palu-train and palu-eval runs on local files: TOFU from `tofu_mirror`, a datasets
+    cache in `out`, step times and peak memory recorded (run_stats), OMP_NUM_THREADS unless set."""
+    return {
+        "OMP_NUM_THREADS": omp_threads,
+        **os.environ,
+        "TOFU_DIR": str(tofu_mirror),
+        RUN_STATS_VARIABLE: "1",
+        # nothing may come from the hub: the model, tokenizer and data are all local
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(out / "datasets-cache"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
 def run_logged(command: list[str], log_path: Path, env: dict) -> tuple[int, float]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -385,18 +402,7 @@ def main(argv=None) -> None:
         f"model: {parameters / 1e6:.1f}M parameters; model, tokenizer, TOFU mirror: "
         f"{time.monotonic() - started:.0f} s"
     )
-    env = {
-        "OMP_NUM_THREADS": "1" if args.cpu else os.environ.get("OMP_NUM_THREADS", "4"),
-        **os.environ,
-        "TOFU_DIR": str(mirror),
-        RUN_STATS_VARIABLE: "1",
-        # nothing may come from the hub: the model, tokenizer and data are all local
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(out / "datasets-cache"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = offline_environment(mirror, out, "1" if args.cpu else os.environ.get("OMP_NUM_THREADS", "4"))
     results = {}
     for label, command in train.items():
         print(f"== {label} …", flush=True)
