@@ -42,13 +42,8 @@ DATA ?= synthetic
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-<<<<<<< HEAD
-.PHONY: setup flash-attn gpu-check test test-fast lint format tofu muse compare tofu-sweep tofu-ablation demo ablation \
-	convergence bench
-=======
-.PHONY: setup flash-attn smollm2 gpu-check test lint format tofu muse compare tofu-sweep tofu-ablation demo \
-	ablation convergence bench
->>>>>>> smol
+.PHONY: setup flash-attn smollm2 gpu-check test test-fast lint format tofu muse compare tofu-sweep tofu-ablation \
+	demo ablation convergence bench
 
 setup:
 	@if [ -n "$(VENV)" ] && [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
