@@ -115,7 +115,7 @@ tofu-sweep:
 	for lr in 1e-5 2e-5 5e-5; do for lambda in 1 2 5 10; do \
 	  $(MAKE) --no-print-directory tofu LR=$$lr LAMBDA=$$lambda || exit $$?; done; done
 
-# PALU at every point of one of the paper's ablation axes (experiments/ablation.py AXES), through the framework.
+# PALU at every point of one of the paper's ablation axes (experiments/ablation_axes.py AXES), through the framework.
 AXIS ?= k
 tofu-ablation:
 	$(RECIPE) --kl-weight $(LAMBDA) --ablation $(AXIS)

@@ -3,9 +3,9 @@
 Run with `make bench`. Each method runs with its trainer config's stock `method_args` (plus its bench
 variants: PALU with the reference model and with the reference cache), on the same batches, on the preset
 `llama-1b-share` (V=128256, 16 layers and a body sized so that the output projection takes Llama-3.2-1B's
-share of a step's matmul FLOPs, gradient checkpointing on for every method; the issue's targets are checked
-there) or, with `--preset small`, the former bench model (V=32000). Also times PALU's loss alone against K on
-a 128k vocabulary.
+share of a step's matmul FLOPs, gradient checkpointing on for every method; `targets` are checked there) or,
+with `--preset small`, the former bench model (V=32000). Also times PALU's loss alone against K on a 128k
+vocabulary.
 
 Step time: methods run round-robin, `--steps-per-round` steps each per round, on one shared model and
 optimizer, so machine noise lands on every method of a round alike; a method's per-round time is the median
@@ -33,7 +33,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from palu_trainer.experiments.methods import METHODS
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.plugin import register, trainer_config
+from palu_trainer.framework.registry import register
+from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.losses import ReferenceTargets, palu_forget_loss
 from palu_trainer.method.roles import TokenRole
 
@@ -426,7 +427,8 @@ def print_table(report, memory_kind):
 
 
 def targets(report) -> dict[str, tuple[bool, float]]:
-    """The issue's targets on PALU with the reference cache: target -> (met, measured)."""
+    """PALU with the reference cache against its cost targets (step time <= 0.90x GradDiff's and 0.70x NPO's,
+    peak memory <= 0.70x NPO's): target -> (met, measured)."""
     palu = report["methods"].get(PALU_RUN)
     if palu is None:
         return {}

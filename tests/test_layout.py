@@ -18,6 +18,13 @@ ALLOWED = {
     "experiments": {"experiments", "framework", "method", "spans", "benchmarks"},
 }
 FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")
+# Scripts that other modules must not import: what they share is in experiments.miniature,
+# experiments.benchmark_facts and experiments.ablation_axes.
+SCRIPTS = (
+    "palu_trainer.experiments.demo",
+    "palu_trainer.experiments.ablation",
+    "palu_trainer.experiments.convergence",
+)
 
 
 def module_name(path: Path) -> str:
@@ -84,6 +91,16 @@ def test_each_layer_imports_only_the_layers_below():
             target_layer = target.split(".")[1] if target.count(".") else None
             if target_layer not in ALLOWED[layer]:
                 offences.append(f"{module} -> {target}")
+    assert offences == []
+
+
+def test_no_module_imports_a_script():
+    offences = [
+        f"{module} -> {target}"
+        for module, targets in package_imports().items()
+        for target in targets
+        if target in SCRIPTS
+    ]
     assert offences == []
 
 

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from palu_trainer.benchmarks.muse_subset import MuseBenchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.experiments import demo, methods, recipe
+from palu_trainer.experiments import demo, methods, miniature, recipe
 from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
-from palu_trainer.framework.plugin import trainer_config
+from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.spans.agreement import Agreement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,17 +36,19 @@ def load_bench():
 def test_demo_runs_a_new_table_entry(with_wga, tmp_path):
     assert side_by_side_methods() == (*PAPER_TABLE, "WGA")
     benchmark = TofuBenchmark(tmp_path, "forget10", "retain90", "holdout10", tmp_path / "s.jsonl", 32, "")
-    runner = demo.Demo(benchmark, demo.SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
-    command = runner.unlearn_overrides("WGA", 1e-3, tmp_path / "original", tmp_path / "WGA_lr0.001")
+    stages = miniature.Stages(
+        benchmark, miniature.TOFU_SIZES["fast"], tmp_path, tmp_path / "cache", miniature.Progress(1)
+    )
+    command = stages.unlearn_overrides("WGA", 1e-3, tmp_path / "original", tmp_path / "WGA_lr0.001")
     assert "experiment=unlearn/tofu/default" in command and "trainer=WGA" in command
     assert not any(part.startswith("span_annotations=") for part in command)
-    palu = runner.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU_lr0.001")
+    palu = stages.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU_lr0.001")
     assert "experiment=unlearn/tofu/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
-    tpo = runner.unlearn_overrides("TPO", 1e-3, tmp_path / "original", tmp_path / "TPO_lr0.001")
+    tpo = stages.unlearn_overrides("TPO", 1e-3, tmp_path / "original", tmp_path / "TPO_lr0.001")
     assert "experiment=unlearn/tofu/tpo" in tpo and f"span_annotations={tmp_path / 's.jsonl'}" in tpo
-    dpo = runner.unlearn_overrides("DPO", 1e-3, tmp_path / "original", tmp_path / "DPO_lr0.001")
+    dpo = stages.unlearn_overrides("DPO", 1e-3, tmp_path / "original", tmp_path / "DPO_lr0.001")
     assert "experiment=unlearn/tofu/idk_local" in dpo and f"idk_path={tmp_path / 'idk.jsonl'}" in dpo
-    pdu = runner.unlearn_overrides("PDU", 1e-3, tmp_path / "original", tmp_path / "PDU_lr0.001")
+    pdu = stages.unlearn_overrides("PDU", 1e-3, tmp_path / "original", tmp_path / "PDU_lr0.001")
     assert "trainer.method_args.retain_loss_eps=0.3" in pdu  # PDU has no default for it
 
 
@@ -93,7 +95,7 @@ def test_bench_times_a_new_table_entry(with_wga, tmp_path):
 
 def test_only_the_table_names_methods():
     """demo, recipe and bench hold no method list of their own."""
-    for module in (demo, recipe, methods):
+    for module in (demo, miniature, recipe, methods):
         assert not hasattr(module, "ALL_METHODS") and not hasattr(module, "EXPERIMENTS")
     bench_source = (ROOT / "perf" / "bench.py").read_text()
     assert '"NPO": (' not in bench_source and "METHODS = {" not in bench_source
@@ -109,14 +111,15 @@ def test_report_notes_name_pdu_settings_and_the_local_idk_answers(tmp_path):
 
 def test_muse_demo_runs_table_entries_on_muse(tmp_path):
     benchmark = MuseBenchmark(tmp_path, tmp_path / "s.jsonl", {}, "", Agreement(1, 0, 0))
-    runner = demo.MuseDemo(benchmark, demo.MUSE_SIZES["fast"], tmp_path, tmp_path / "cache", demo.Progress(1))
-    assert runner.env["MUSE_DIR"] == str(tmp_path)
-    length = demo.MUSE_SIZES["fast"].max_length
-    command = runner.unlearn_overrides("GradAscent", 1e-3, tmp_path / "original", tmp_path / "GA")
+    size = miniature.MUSE_SIZES["fast"]
+    stages = miniature.MuseStages(benchmark, size, tmp_path, tmp_path / "cache", miniature.Progress(1))
+    assert stages.env["MUSE_DIR"] == str(tmp_path)
+    length = size.max_length
+    command = stages.unlearn_overrides("GradAscent", 1e-3, tmp_path / "original", tmp_path / "GA")
     assert "experiment=unlearn/muse/default" in command and "trainer=GradAscent" in command
     assert f"data.forget.MUSE_forget.args.max_length={length}" in command
     assert not any(part.startswith("span_annotations=") for part in command)
-    palu = runner.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU")
+    palu = stages.unlearn_overrides("PALU", 1e-3, tmp_path / "original", tmp_path / "PALU")
     assert "experiment=unlearn/muse/palu" in palu and f"span_annotations={tmp_path / 's.jsonl'}" in palu
     assert f"data.forget.MUSE_forget_spans.args.max_length={length}" in palu
     assert f"data.retain.MUSE_retain.args.max_length={length}" in palu

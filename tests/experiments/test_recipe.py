@@ -14,7 +14,7 @@ from huggingface_hub.errors import GatedRepoError
 from palu_trainer.experiments import recipe
 from palu_trainer.experiments.methods import side_by_side_methods
 from palu_trainer.experiments.recipe import (
-    MuseRecipe,
+    MuseRecipeSettings,
     RecipeSettings,
     choose_attention,
     hub_problem,
@@ -80,8 +80,8 @@ def test_make_compare_plans_every_method_of_the_table(tmp_path):
 
 
 def test_several_gpus_use_accelerate_with_the_framework_zero3_config(tmp_path):
-    run = RecipeSettings(forget="01", model="Llama-3.2-1B-Instruct", gpus=2, model_dir="/models/llama")
-    (unlearn_title, unlearn), _ = plan([("PALU", run)], tmp_path / "accelerate.yaml")
+    settings = RecipeSettings(forget="01", model="Llama-3.2-1B-Instruct", gpus=2, model_dir="/models/llama")
+    (unlearn_title, unlearn), _ = plan([("PALU", settings)], tmp_path / "accelerate.yaml")
     assert unlearn[1:4] == ["launch", "--config_file", str(tmp_path / "accelerate.yaml")]
     assert "trainer.args.gradient_accumulation_steps=4" in unlearn  # 4 per device x 2 GPUs x 4 = 32
     assert "model.model_args.pretrained_model_name_or_path=/models/llama" in unlearn
@@ -91,8 +91,10 @@ def test_missing_tofu_configs_and_model_dir_are_named(tmp_path):
     (tmp_path / "README.md").write_text(
         "---\nconfigs:\n- config_name: forget01\n  data_files: forget01.json\n---\n"
     )
-    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=1, model_dir=str(tmp_path / "absent"))
-    problems = missing_requirements(run, {"TOFU_DIR": str(tmp_path)})
+    settings = RecipeSettings(
+        forget="01", model="Llama-2-7b-chat-hf", gpus=1, model_dir=str(tmp_path / "absent")
+    )
+    problems = missing_requirements(settings, {"TOFU_DIR": str(tmp_path)})
     assert any("lacks the configs retain99, holdout01" in problem for problem in problems)
     assert any("MODEL_DIR=" in problem and "no config.json" in problem for problem in problems)
 
@@ -114,13 +116,13 @@ def fake_eval(path: Path, forget_quality: float, retain_rouge: float) -> None:
 
 def test_compare_renders_one_table_from_the_framework_evaluations(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run = RecipeSettings(forget="05", model="Llama-2-7b-chat-hf", gpus=2)
-    fake_eval(Path(run.original_logs_path), 1e-20, 0.95)
-    fake_eval(Path(run.retain_logs_path), 1.0, 0.9)
+    settings = RecipeSettings(forget="05", model="Llama-2-7b-chat-hf", gpus=2)
+    fake_eval(Path(settings.original_logs_path), 1e-20, 0.95)
+    fake_eval(Path(settings.retain_logs_path), 1.0, 0.9)
     for method, quality in (("NPO", 1e-3), ("SimNPO", 1e-4), ("PALU", 1e-2)):
-        fake_eval(run.eval_path(method), quality, 0.85)
-    runs = method_runs(run, ["NPO", "SimNPO", "PALU"], tune=False)
-    paths = write_comparison(runs, {run.task_name("PALU"): 120.0}, tmp_path / "report")
+        fake_eval(settings.eval_path(method), quality, 0.85)
+    runs = method_runs(settings, ["NPO", "SimNPO", "PALU"], tune=False)
+    paths = write_comparison(runs, {settings.task_name("PALU"): 120.0}, tmp_path / "report")
     summary = json.loads(paths["summary.json"].read_text())
     assert list(summary["selected"]) == ["PALU", "NPO", "SimNPO"]  # ranked by forget quality
     assert summary["selected"]["PALU"]["params"] == {"lr": "1e-5", "lambda": "1.0"}
@@ -204,8 +206,8 @@ def framework_script_path(script: str, option: str, **values) -> str:
 
 
 def test_retain_and_original_logs_are_where_the_framework_scripts_write_them():
-    run = RecipeSettings(forget="05", model="Llama-3.2-1B-Instruct", gpus=1)
-    values = {"model": run.model, "forget_split": "forget05", "retain_split": "retain95"}
+    settings = RecipeSettings(forget="05", model="Llama-3.2-1B-Instruct", gpus=1)
+    values = {"model": settings.model, "forget_split": "forget05", "retain_split": "retain95"}
     # tofu_finetune.sh evaluates the full model into saves/eval/tofu_<model>_full/evals_<forget split>
     full_dir = [
         line.split("paths.output_dir=")[1].split()[0]
@@ -214,12 +216,13 @@ def test_retain_and_original_logs_are_where_the_framework_scripts_write_them():
     ]
     assert full_dir == ["saves/eval/tofu_${model}_full/evals_${forget_split}"]
     assert (
-        run.original_logs_path == "saves/eval/tofu_Llama-3.2-1B-Instruct_full/evals_forget05/TOFU_EVAL.json"
+        settings.original_logs_path
+        == "saves/eval/tofu_Llama-3.2-1B-Instruct_full/evals_forget05/TOFU_EVAL.json"
     )
     # ... and the retain model with task_name=tofu_<model>_<retain>, into eval's default
     # saves/eval/<task_name>; its unlearning script reads that file as retain_logs_path
-    assert run.retain_logs_path == framework_script_path("tofu_unlearn.sh", "retain_logs_path", **values)
-    muse = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=1)
+    assert settings.retain_logs_path == framework_script_path("tofu_unlearn.sh", "retain_logs_path", **values)
+    muse = MuseRecipeSettings(forget="News", model="Llama-2-7b-hf", gpus=1)
     muse_values = {"model": "Llama-2-7b-hf", "data_split": "News"}
     assert muse.retain_logs_path == framework_script_path(
         "muse_unlearn.sh", "retain_logs_path", **muse_values
@@ -234,14 +237,18 @@ def test_logs_in_the_framework_checkout_are_found_there(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     checkout = tmp_path / "checkout"
     monkeypatch.setenv("OPEN_UNLEARNING_DIR", str(checkout))
-    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=1)
-    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
-    fake_eval(checkout / run.original_logs_path, 1e-20, 0.95)
-    assert run.original_logs_path == str(
+    settings = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=1)
+    assert (
+        settings.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    )
+    fake_eval(checkout / settings.original_logs_path, 1e-20, 0.95)
+    assert settings.original_logs_path == str(
         checkout / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
     )
     fake_eval(tmp_path / "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json", 1e-20, 0.95)
-    assert run.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    assert (
+        settings.original_logs_path == "saves/eval/tofu_Llama-2-7b-chat-hf_full/evals_forget01/TOFU_EVAL.json"
+    )
 
 
 def test_make_compare_names_the_original_logs_and_takes_original_logs(tmp_path):
@@ -359,8 +366,8 @@ def test_the_recipe_checks_the_model_configs_tokenizer(monkeypatch, no_cache):
         return object()
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
-    run = MuseRecipe(forget="News", model="Llama-2-7b-hf", gpus=0)
-    problems = missing_requirements(run, {"MUSE_DIR": ""})
+    settings = MuseRecipeSettings(forget="News", model="Llama-2-7b-hf", gpus=0)
+    problems = missing_requirements(settings, {"MUSE_DIR": ""})
     assert asked[:2] == ["muse-bench/MUSE-News_target", "meta-llama/Llama-2-7b-hf"]
     assert any(p.startswith("tokenizer meta-llama/Llama-2-7b-hf is gated") for p in problems)
     assert not any(p.startswith("model muse-bench/MUSE-News_target") for p in problems)
@@ -368,9 +375,9 @@ def test_the_recipe_checks_the_model_configs_tokenizer(monkeypatch, no_cache):
 
 def test_model_dir_needs_its_tokenizer(tmp_path, no_cache):
     (tmp_path / "config.json").write_text("{}")
-    run = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=0, model_dir=str(tmp_path))
-    problems = missing_requirements(run, {"TOFU_DIR": ""})
+    settings = RecipeSettings(forget="01", model="Llama-2-7b-chat-hf", gpus=0, model_dir=str(tmp_path))
+    problems = missing_requirements(settings, {"TOFU_DIR": ""})
     assert any(p.startswith(f"MODEL_DIR={tmp_path} has no tokenizer") for p in problems)
     assert not any("has no config.json" in p for p in problems)
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert not any("MODEL_DIR" in p for p in missing_requirements(run, {"TOFU_DIR": ""}))
+    assert not any("MODEL_DIR" in p for p in missing_requirements(settings, {"TOFU_DIR": ""}))

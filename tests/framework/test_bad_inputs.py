@@ -1,4 +1,4 @@
-"""Bad inputs to palu-train and palu-eval (issue 23): each stops before the first step, naming the option and
+"""Bad inputs to palu-train and palu-eval: each stops before the first step, naming the option and
 the fix; a few end-to-end runs show they stop before the reference cache (or before loading at all)."""
 
 import copy
@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.plugin import redirect_to_local_mirrors, register
+from palu_trainer.framework.local_mirrors import redirect_to_local_mirrors
+from palu_trainer.framework.registry import register
 
 from ..conftest import make_tofu_mirror, read_jsonl
 
@@ -233,7 +234,7 @@ class StubTokenizer(list):
 def test_tokenizer_and_model_vocabularies(tokens, rows, error, warning):
     import re
 
-    from palu_trainer.framework.plugin import _checking_vocabulary
+    from palu_trainer.framework.patches import checking_vocabulary
     from palu_trainer.framework.vocabulary import reachable_vocab_size, vocabulary_mismatch
 
     found_error, found_warning = vocabulary_mismatch(tokens, rows, "tokenizer-dir", "model-dir")
@@ -248,11 +249,11 @@ def test_tokenizer_and_model_vocabularies(tokens, rows, error, warning):
         from palu_trainer.framework.checks import BadInput
 
         with pytest.raises(BadInput, match=error):
-            _checking_vocabulary(lambda cfg: (stub_model(rows), tokenizer))({})
+            checking_vocabulary(lambda cfg: (stub_model(rows), tokenizer))({})
 
 
 def test_offline_hint_names_tofu_dir_and_the_mirror_checks_its_files(tmp_path, tofu_dir):
-    from palu_trainer.framework.plugin import hub_hint
+    from palu_trainer.framework.local_mirrors import hub_hint
 
     error = ConnectionError("Couldn't reach 'locuslab/TOFU' on the Hub (ConnectionError)")
     assert "Offline, set TOFU_DIR=/path to a local copy" in hub_hint(error, {})

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.roles import TokenRole, count_roles
 from palu_trainer.spans.format import AnnotationError, write_annotations
-from palu_trainer.spans.tpo import import_tpo
+from palu_trainer.spans.tpo_spans import import_tpo
 
 from ..conftest import CHAT_TEMPLATE, TAG_TEMPLATE, llama3_style_tokenizer, write_jsonl
 

@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from palu_trainer.framework.plugin import write_accelerate_config
+from palu_trainer.framework.accelerate_config import write_accelerate_config
 from palu_trainer.method.losses import chunk_count, label_positions, logit_chunk_rows
 from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.spans.format import write_annotations
-from palu_trainer.spans.tpo import read_tpo
+from palu_trainer.spans.tpo_spans import read_tpo
 
 from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset

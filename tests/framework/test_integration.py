@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from palu_trainer.spans.tpo import import_tpo
+from palu_trainer.spans.tpo_spans import import_tpo
 
 from ..conftest import make_tofu_mirror, read_jsonl
 

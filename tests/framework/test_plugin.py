@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.plugin import dataset_loads, redirect_to_local_mirrors, register
+from palu_trainer.framework.local_mirrors import dataset_loads, redirect_to_local_mirrors
+from palu_trainer.framework.registry import register
 
 from ..conftest import make_tofu_mirror, write_jsonl
 

@@ -6,7 +6,9 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.plugin import _resuming, checkpoint_to_resume, remove_stale_weights
+from palu_trainer.framework.patches import resuming
+from palu_trainer.framework.resume import checkpoint_to_resume
+from palu_trainer.framework.stale_weights import remove_stale_weights
 
 from ..conftest import TAG_TEMPLATE
 from .test_datasets import span_dataset
@@ -69,7 +71,7 @@ def palu_run(tmp_path, tiny_model_dir):
                 },
             }
         )
-        trainer, _ = _resuming(load_trainer, checkpoint)(
+        trainer, _ = resuming(load_trainer, checkpoint)(
             trainer_cfg=trainer_cfg,
             model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
@@ -115,7 +117,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run
 
 
 def register():
-    from palu_trainer.framework.plugin import register as register_palu
+    from palu_trainer.framework.registry import register as register_palu
 
     register_palu()
 

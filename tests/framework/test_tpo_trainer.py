@@ -5,7 +5,7 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.trainers.tpo import TPOTrainer
-from palu_trainer.method.tpo import tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
 
 from .test_trainer import make_trainer  # noqa: F401  (the fixture)
 

@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.spans.tpo import read_tpo
+from palu_trainer.spans.tpo_spans import read_tpo
 
 from ..conftest import TAG_TEMPLATE, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset

@@ -4,7 +4,7 @@ import pytest
 
 from palu_trainer.method.initiating import InitiatingPolicy
 from palu_trainer.method.losses import check_loss_weights
-from palu_trainer.method.tpo import check_beta
+from palu_trainer.method.tpo_losses import check_beta
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from palu_trainer.spans.annotator import (
 )
 from palu_trainer.spans.cli import main as annotate_main
 from palu_trainer.spans.format import fingerprint, read_annotations, validate_annotations, write_annotations
-from palu_trainer.spans.tpo import read_tpo
+from palu_trainer.spans.tpo_spans import read_tpo
 
 from ..conftest import write_jsonl
 

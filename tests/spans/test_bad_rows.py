@@ -13,7 +13,7 @@ from palu_trainer.spans.format import (
     validate_annotations,
     word_cut_warning,
 )
-from palu_trainer.spans.tpo import import_tpo, read_tpo
+from palu_trainer.spans.tpo_spans import import_tpo, read_tpo
 
 from ..conftest import read_jsonl, write_jsonl
 from .test_annotator import run_cli

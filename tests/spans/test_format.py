@@ -9,7 +9,7 @@ from palu_trainer.spans.format import (
     read_annotations,
     validate_annotations,
 )
-from palu_trainer.spans.tpo import import_tpo
+from palu_trainer.spans.tpo_spans import import_tpo
 
 from ..conftest import TAG_TEMPLATE, write_jsonl
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import write_jsonl, write_readme
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark, write_idk_answers
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark, tofu_splits, write_idk_answers
 from palu_trainer.spans.format import Span, write_annotations
 
 FIRST_NAMES = (
@@ -431,13 +431,14 @@ def generate(
 
     configs = {"full": (rows(trained), QA_KEYS)}
     for percent, count in forget_counts.items():
+        forget_split, retain_split, holdout_split = tofu_splits(percent)
         forget = rows(trained[-count:])
-        configs[f"forget{percent:02d}"] = (forget, QA_KEYS)
-        configs[f"forget{percent:02d}_perturbed"] = (forget, PERTURBED_KEYS)
-        configs[f"retain{100 - percent:02d}"] = (rows(trained[:-count]), QA_KEYS)
-        configs[f"holdout{percent:02d}"] = (rows(untrained[:count]), PERTURBED_KEYS)
+        configs[forget_split] = (forget, QA_KEYS)
+        configs[f"{forget_split}_perturbed"] = (forget, PERTURBED_KEYS)
+        configs[retain_split] = (rows(trained[:-count]), QA_KEYS)
+        configs[holdout_split] = (rows(untrained[:count]), PERTURBED_KEYS)
         write_annotations(
-            directory / "span_annotations" / f"forget{percent:02d}.jsonl",
+            directory / "span_annotations" / f"{forget_split}.jsonl",
             [row["answer"] for row in forget],
             [row["spans"] for row in forget],
         )
@@ -463,12 +464,13 @@ def synthetic_benchmark(
     """`generate` one forget split and describe the folder as a benchmark."""
     generate(directory, num_authors, (forget_percent,), seed=seed)
     write_idk_answers(directory)
+    forget_split, retain_split, holdout_split = tofu_splits(forget_percent)
     return TofuBenchmark(
         directory,
-        f"forget{forget_percent:02d}",
-        f"retain{100 - forget_percent:02d}",
-        f"holdout{forget_percent:02d}",
-        directory / "span_annotations" / f"forget{forget_percent:02d}.jsonl",
+        forget_split,
+        retain_split,
+        holdout_split,
+        directory / "span_annotations" / f"{forget_split}.jsonl",
         max_new_tokens,
         f"synthetic fictitious authors (seed {seed}, {num_authors} trained authors)",
     )

@@ -42,6 +42,11 @@ IDK_ANSWERS = (
 )
 
 
+def tofu_splits(forget_percent: int) -> tuple[str, str, str]:
+    """TOFU's forget, retain and holdout configs for forgetting `forget_percent`% of its authors."""
+    return f"forget{forget_percent:02d}", f"retain{100 - forget_percent:02d}", f"holdout{forget_percent:02d}"
+
+
 def write_idk_answers(directory: Path) -> Path:
     """Write `IDK_ANSWERS` to `directory/idk.jsonl`, the framework's format; return the path."""
     path = Path(directory) / IDK_FILE

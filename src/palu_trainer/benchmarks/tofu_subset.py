@@ -11,7 +11,7 @@ from pathlib import Path
 from palu_trainer.benchmarks.hf_dir import read_jsonl, write_jsonl, write_readme
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark, write_idk_answers
 from palu_trainer.spans.format import read_annotations, validate_annotations
-from palu_trainer.spans.tpo import import_tpo
+from palu_trainer.spans.tpo_spans import import_tpo
 
 # Real-TOFU answers are longer than the synthetic ones: more new tokens when generating.
 MAX_NEW_TOKENS = 96
@@ -54,7 +54,9 @@ def make_tofu_subset(source_dir: Path, spans_file: Path, data_dir: Path) -> Tofu
     for name in ("real_authors", "real_authors_perturbed", "world_facts", "world_facts_perturbed"):
         shutil.copyfile(source_dir / f"{name}.json", data_dir / f"{name}.json")
         configs[name] = []
-    write_readme(data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_trainer.demo).")
+    write_readme(
+        data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_trainer.benchmarks.tofu_subset)."
+    )
     write_idk_answers(data_dir)
     annotations = data_dir / "span_annotations" / "forget05.jsonl"
     if "answer_sha1" in read_jsonl(spans_file)[0]:  # already this project's format: check it, keep it

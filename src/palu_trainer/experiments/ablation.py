@@ -1,6 +1,6 @@
 """`make ablation`: the paper's PALU ablations (its Figure 4 and strategy tables) on the offline miniature.
 
-One axis at a time, the others at PALU's defaults: every point unlearns the demo's cached Original with
+One axis at a time, the others at PALU's defaults: every point unlearns the miniature's cached Original with
 PALU plus the point's overrides, is evaluated with the stock TOFU evaluator (with the paper's extra
 metrics), and lands in a bar chart (forget quality on a log left axis, retain utility on the right,
 Original and Retain as lines) and a table per axis, in results/ablation/. Points with the same overrides
@@ -12,7 +12,6 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,106 +19,37 @@ import yaml
 from omegaconf import OmegaConf
 
 from palu_trainer.experiments import report
-from palu_trainer.experiments.demo import (
-    SIZES,
-    add_tofu_arguments,
-    parse_tofu_arguments,
+from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES, Axis
+from palu_trainer.experiments.miniature import (
+    TOFU_SIZES,
+    add_arguments,
+    parse_arguments,
     start_run,
     tofu_miniature,
 )
-from palu_trainer.framework.plugin import trainer_config
+from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.losses import resolve_top_k
 
-METHOD = "PALU"
 
-
-@dataclass(frozen=True)
-class Axis:
-    """One ablation: its title, its points (label -> overrides; () is PALU's defaults) and the default's
-    label."""
-
-    title: str
-    points: dict[str, tuple[str, ...]]
-    default: str
-
-
-def top_k(value: str) -> tuple[str, ...]:
-    return (f"trainer.method_args.top_k={value}",)
-
-
-def initiating(strategy: str, **values) -> tuple[str, ...]:
-    return (f"initiating_strategy={strategy}", *(f"{key}={value}" for key, value in values.items()))
-
-
-# THE table of the paper's axes. K: shares of |V| matching the paper's values on Llama-2 (1, 1000, 5000,
-# 10000 of 32000); N and the strategy belong to the forget dataset (the experiment's top-level keys).
-AXES = {
-    "k": Axis(
-        "K: the reference's top-K logits flattened (share of |V|, as the paper's values on Llama-2)",
-        {
-            "1": top_k("1"),
-            "1k/32k": top_k("0.03125"),
-            "5k/32k": (),
-            "10k/32k": top_k("0.3125"),
-            "all": top_k("all"),
-        },
-        default="5k/32k",
-    ),
-    "n": Axis(
-        "N: initiating tokens per span",
-        {
-            "1": ("num_initiating_tokens=1",),
-            "2": ("num_initiating_tokens=2",),
-            "3": (),
-            "4": ("num_initiating_tokens=4",),
-            "All": initiating("all"),
-        },
-        default="3",
-    ),
-    "c": Axis(
-        "c: the target of the local entropy loss",
-        {
-            "uniform": ("trainer.method_args.target=uniform",),
-            "topk_mean": ("trainer.method_args.target=topk_mean",),
-            "ref_mean": ("trainer.method_args.target=ref_mean",),
-            "global_mean": (),
-        },
-        default="global_mean",
-    ),
-    "strategy": Axis(
-        "strategy: which tokens of each span initiate",
-        {
-            "first 3": (),
-            "random 3": initiating("random_n", num_initiating_tokens=3),
-            "all tokens": initiating("all"),
-            "first 25%": initiating("ratio", initiating_ratio=0.25),
-            "first 50%": initiating("ratio", initiating_ratio=0.5),
-            "first 100%": initiating("ratio", initiating_ratio=1.0),
-        },
-        default="first 3",
-    ),
-}
-
-
-def run_name(overrides: tuple[str, ...]) -> str:
+def point_run_name(overrides: tuple[str, ...]) -> str:
     """A point's run folder, from its overrides: PALU_default, PALU_top_k-0.03125, ..."""
     if not overrides:
-        return f"{METHOD}_default"
+        return f"{ABLATED_METHOD}_default"
     values = "_".join(
         f"{key.rsplit('.', 1)[-1]}-{value}"
         for key, value in (override.split("=", 1) for override in overrides)
     )
-    return f"{METHOD}_" + re.sub(r"[^A-Za-z0-9._]+", "-", values)
+    return f"{ABLATED_METHOD}_" + re.sub(r"[^A-Za-z0-9._]+", "-", values)
 
 
 def run_point(mini, overrides: tuple[str, ...], learning_rate: float) -> report.EvaluatedModel:
     """Unlearn and evaluate one point; a failed run becomes a row that names its log instead of numbers."""
-    name = run_name(overrides)
+    name = point_run_name(overrides)
     params = {"lr": learning_rate, "overrides": " ".join(overrides) or "PALU defaults"}
     try:
-        eval_json, seconds = mini.unlearn_and_evaluate(METHOD, learning_rate, overrides, name)
+        eval_json, seconds = mini.unlearn_and_evaluate(ABLATED_METHOD, learning_rate, overrides, name)
     except RuntimeError as error:
-        mini.demo.progress.say(f"{name} failed: {str(error).splitlines()[0]}")
+        mini.stages.progress.say(f"{name} failed: {str(error).splitlines()[0]}")
         return report.EvaluatedModel({}, None, {**params, "error": f"logs/unlearn_{name}.log"})
     return report.run_from_eval(eval_json, seconds, params)
 
@@ -129,9 +59,9 @@ def rendered_point(
 ) -> report.EvaluatedModel:
     """`--render`: the point's evaluation from an earlier (maybe stopped) run, or a row saying it has none;
     `stage_times`: that run's, for the wall time."""
-    name = run_name(overrides)
+    name = point_run_name(overrides)
     params = {"lr": learning_rate, "overrides": " ".join(overrides) or "PALU defaults"}
-    eval_json = mini.demo.run_dir / "evals" / name / mini.demo.eval_file
+    eval_json = mini.stages.run_dir / "evals" / name / mini.stages.facts.eval_file
     if not eval_json.is_file():
         return report.EvaluatedModel({}, None, {**params, "error": f"not evaluated: no {eval_json}"})
     return report.run_from_eval(eval_json, stage_times.get(f"unlearn {name}"), params)
@@ -207,15 +137,13 @@ def write_axis(out_dir: Path, name: str, axis: Axis, points, references, notes) 
     return paths
 
 
-def run(args, axes: dict[str, Axis]) -> dict[str, dict[str, Path]]:
-    size = SIZES[args.size]
+def run_ablation(args, axes: dict[str, Axis]) -> dict[str, dict[str, Path]]:
+    """Every point of `axes` on the miniature that `args` names; a table and chart per axis."""
+    size = TOFU_SIZES[args.size]
     distinct = list(dict.fromkeys(overrides for axis in axes.values() for overrides in axis.points.values()))
     progress = start_run("tofu", args.data, args.size, args.run_dir, 2 * len(distinct))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        mini = tofu_miniature(
-            args.data, size, args.run_dir, args.results / ".cache", args.seed, progress, pool, args.tofu_dir,
-            args.spans,
-        )  # fmt: skip
+        mini = tofu_miniature(args, progress, pool)
         if args.render:
             earlier = args.run_dir / "ablation.json"
             stage_times = json.loads(earlier.read_text())["stage_times_s"] if earlier.is_file() else {}
@@ -225,7 +153,7 @@ def run(args, axes: dict[str, Axis]) -> dict[str, dict[str, Path]]:
         jobs = {overrides: pool.submit(point, mini, overrides, args.lr) for overrides in distinct}
         results = {overrides: job.result() for overrides, job in jobs.items()}
         references = mini.references()
-    stock_top_k = OmegaConf.select(trainer_config(METHOD), "method_args.top_k")
+    stock_top_k = OmegaConf.select(trainer_config(ABLATED_METHOD), "method_args.top_k")
     # an override's value as Hydra reads it: "1" is the integer K=1, "0.03125" a share of |V|
     k_values = {
         label: yaml.safe_load(o[0].split("=")[1]) if o else stock_top_k
@@ -272,7 +200,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.ablation", description=__doc__.splitlines()[0]
     )
-    add_tofu_arguments(parser)
+    add_arguments(parser)
     parser.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
     parser.add_argument("--lr", type=float, default=1e-3, help="PALU's learning rate at every point")
     parser.add_argument(
@@ -288,14 +216,14 @@ def main(argv=None) -> None:
         help="replace the points of the one axis given with --axes: LABEL=KEY=VALUE[,KEY=VALUE...] "
         "(repeat; the first is drawn as the default)",
     )
-    args = parse_tofu_arguments(parser, argv, "ablation")
+    args = parse_arguments(parser, argv, "ablation")
     axes = {name: AXES[name] for name in args.axes}
     if args.point:
         if len(axes) != 1:
             parser.error("--point replaces the points of one axis: give exactly one with --axes")
         ((name, axis),) = axes.items()
         axes = {name: Axis(f"{axis.title.split(':')[0]}: custom points", dict(args.point), args.point[0][0])}
-    run(args, axes)
+    run_ablation(args, axes)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`make convergence`: forget quality and utility after every unlearning epoch (the paper's Figure 5).
 
-Each method unlearns the demo's cached Original once, with the framework saving a checkpoint per epoch
+Each method unlearns the miniature's cached Original once, with the framework saving a checkpoint per epoch
 (`trainer.args.save_strategy=epoch`); every checkpoint is evaluated with the stock TOFU evaluator, then
 removed. Epoch 0 is Original itself. Output in results/convergence/: convergence.png, .md and .json.
 """
@@ -13,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from palu_trainer.experiments import report
-from palu_trainer.experiments.demo import (
-    SIZES,
-    add_tofu_arguments,
-    parse_tofu_arguments,
+from palu_trainer.experiments.methods import METHODS
+from palu_trainer.experiments.miniature import (
+    TOFU_SIZES,
+    add_arguments,
+    parse_arguments,
     start_run,
     tofu_miniature,
 )
-from palu_trainer.experiments.methods import METHODS
 
 PER_EPOCH_CHECKPOINTS = ("trainer.args.save_strategy=epoch", "trainer.args.save_only_model=true")
 
@@ -33,16 +33,14 @@ def unlearn_per_epoch(mini, method: str, learning_rate: float, epochs: int) -> l
     """Unlearn with a checkpoint per epoch; evaluate each, then delete it. One run per epoch, in order."""
     name = f"{method}_convergence"
     overrides = [*PER_EPOCH_CHECKPOINTS, f"trainer.args.num_train_epochs={epochs}"]
-    out_dir, seconds = mini.demo.unlearn(method, learning_rate, mini.original_dir, overrides, name)
+    out_dir, seconds = mini.stages.unlearn(method, learning_rate, mini.original_dir, overrides, name)
     checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
     if len(checkpoints) != epochs:
         raise RuntimeError(f"{out_dir}: {len(checkpoints)} checkpoints for {epochs} epochs")
     runs = []
     for checkpoint in checkpoints:
         epoch = round(epochs_of(checkpoint))
-        eval_json = mini.demo.evaluate(
-            f"{name}_epoch{epoch}", checkpoint, mini.retain_eval.result, cache=False
-        )
+        eval_json = mini.stages.evaluate(f"{name}_epoch{epoch}", checkpoint, mini.retain_eval, cache=False)
         runs.append(
             report.run_from_eval(eval_json, seconds * epoch / epochs, {"lr": learning_rate, "epoch": epoch})
         )
@@ -84,15 +82,13 @@ def plot(path: Path, curves: dict[str, list[report.EvaluatedModel]], references)
     plt.close(figure)
 
 
-def run(args, methods: list[str]) -> dict[str, Path]:
-    size = SIZES[args.size]
+def run_convergence(args, methods: list[str]) -> dict[str, Path]:
+    """Every method's curve on the miniature that `args` names: convergence.png, .md and .json."""
+    size = TOFU_SIZES[args.size]
     epochs = args.epochs or size.unlearn_epochs
     progress = start_run("tofu", args.data, args.size, args.run_dir, len(methods) * (1 + epochs))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        mini = tofu_miniature(
-            args.data, size, args.run_dir, args.results / ".cache", args.seed, progress, pool, args.tofu_dir,
-            args.spans,
-        )  # fmt: skip
+        mini = tofu_miniature(args, progress, pool)
         jobs = {method: pool.submit(unlearn_per_epoch, mini, method, args.lr, epochs) for method in methods}
         references = mini.references()
         start = report.EvaluatedModel(references["Original"].metrics, 0.0, {"lr": args.lr, "epoch": 0})
@@ -136,12 +132,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m palu_trainer.experiments.convergence", description=__doc__.splitlines()[0]
     )
-    add_tofu_arguments(parser)
+    add_arguments(parser)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["PALU", "NPO"])
     parser.add_argument("--lr", type=float, default=1e-3, help="every method's learning rate")
     parser.add_argument("--epochs", type=int, help="default: the size's unlearning epochs (10; FAST 5)")
-    args = parse_tofu_arguments(parser, argv, "convergence")
-    run(args, args.methods)
+    args = parse_arguments(parser, argv, "convergence")
+    run_convergence(args, args.methods)
 
 
 if __name__ == "__main__":

@@ -34,17 +34,17 @@ from pathlib import Path
 from safetensors import safe_open
 
 from palu_trainer.benchmarks.hf_dir import read_configs, read_jsonl, write_configs_readme, write_jsonl
-from palu_trainer.experiments.methods import tofu_overrides
+from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.experiments.recipe import flash_attention_problem, free_port
 from palu_trainer.experiments.tiny import save_tiny_model
+from palu_trainer.framework.accelerate_config import write_accelerate_config
 from palu_trainer.framework.checkout import PROJECT_ROOT
-from palu_trainer.framework.plugin import write_accelerate_config
 from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, read_run_stats
 
 BIN = Path(sys.executable).parent
 VOCAB_SIZE = 32000  # Llama-2's |V|
 TRAINED_VOCAB = 8192  # merges learnt from TOFU's text; the rest of the 32000 are unused tokens
-SPLITS = ("forget01", "retain99", "holdout01")
+SPLITS = TOFU.splits["01"]
 # What the runs and the stock TOFU evaluation load besides the holdout this check adds.
 NEEDED_CONFIGS = (
     "full",
@@ -206,7 +206,7 @@ def train_command(
     return [
         *launcher,
         "--config-name=unlearn.yaml",
-        *tofu_overrides(method),
+        *TOFU.method_overrides(method),
         *model_overrides(model_dir),
         f"forget_split={forget}",
         f"retain_split={retain}",
@@ -232,7 +232,7 @@ def eval_command(out: Path, size: CheckSize, cpu: bool, attention: str) -> list[
     forget, _, holdout = SPLITS
     return [
         str(BIN / "palu-eval"),
-        "experiment=eval/tofu/tiny",
+        f"experiment={TOFU.tiny_eval_experiment}",
         *model_overrides(out / "runs" / slug(EVALUATED)),
         f"forget_split={forget}",
         f"holdout_split={holdout}",

@@ -24,22 +24,15 @@ from pathlib import Path
 
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments import report
-from palu_trainer.experiments.ablation import AXES, METHOD
-from palu_trainer.experiments.methods import (
-    METHODS,
-    muse_overrides,
-    side_by_side_methods,
-    tofu_overrides,
-    tuning_grid,
-)
+from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES
+from palu_trainer.experiments.benchmark_facts import BENCHMARKS, MUSE, MUSE_LOADS, TOFU
+from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
+from palu_trainer.framework.accelerate_config import write_accelerate_config
 from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
-from palu_trainer.framework.plugin import write_accelerate_config
 
 GLOBAL_BATCH = 32
 PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
-SPLITS = {"01": ("forget01", "retain99", "holdout01"), "05": ("forget05", "retain95", "holdout05"),
-          "10": ("forget10", "retain90", "holdout10")}  # fmt: skip
 FLASH_ATTN_INSTALL = "make flash-attn"  # MAX_JOBS=4 pip install flash-attn --no-build-isolation
 HF_LOGIN = "huggingface-cli login"
 
@@ -111,9 +104,11 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """One recipe invocation: split, model, GPUs and the swept hyperparameters."""
+    """One recipe invocation on TOFU (`MuseRecipeSettings`: on MUSE): split, model, GPUs and the swept
+    hyperparameters."""
 
-    forget: str
+    facts = TOFU
+    forget: str  # the subset: a key of `facts.splits`
     model: str
     gpus: int
     learning_rate: str = "1e-5"
@@ -129,7 +124,7 @@ class RecipeSettings:
 
     @property
     def splits(self) -> tuple[str, str, str]:
-        return SPLITS[self.forget]
+        return self.facts.splits[self.forget]
 
     def task_name(self, method: str) -> str:
         suffix = f"_lr{self.learning_rate}" + (
@@ -164,14 +159,14 @@ class RecipeSettings:
         """Where the framework's `scripts/tofu_finetune.sh` evaluates the retain model (task_name
         tofu_<model>_<retain split>, eval's default output folder), as `setup_data.py --eval_logs` has it."""
         return self.retain_logs or framework_log(
-            f"saves/eval/tofu_{self.model}_{self.splits[1]}/TOFU_EVAL.json"
+            f"saves/eval/tofu_{self.model}_{self.splits[1]}/{self.facts.eval_file}"
         )
 
     @property
     def original_logs_path(self) -> str:
         """Where `scripts/tofu_finetune.sh` evaluates the full (Original) model on this forget split:
         `paths.output_dir=saves/eval/tofu_<model>_full/evals_<forget split>`."""
-        default = f"saves/eval/tofu_{self.model}_full/evals_{self.splits[0]}/TOFU_EVAL.json"
+        default = f"saves/eval/tofu_{self.model}_full/evals_{self.splits[0]}/{self.facts.eval_file}"
         return self.original_logs or framework_log(default)
 
     @property
@@ -180,18 +175,13 @@ class RecipeSettings:
         return self.idk_answers or str(checkout_dir() / "data" / "idk.jsonl")
 
     def eval_path(self, method: str) -> Path:
-        return Path("saves/unlearn") / self.task_name(method) / "evals" / self.eval_file
-
-    # What differs between benchmarks (MuseRecipe overrides these)
-    benchmark = "TOFU"
-    eval_file = "TOFU_EVAL.json"
-    scorecard = report.TOFU
+        return Path("saves/unlearn") / self.task_name(method) / "evals" / self.facts.eval_file
 
     def describe(self) -> str:
-        return f"TOFU forget{self.forget}"
+        return f"{self.facts.name} {self.splits[0]}"
 
     def method_overrides(self, method: str) -> list[str]:
-        return tofu_overrides(method)
+        return self.facts.method_overrides(method)
 
     def data_overrides(self) -> list[str]:
         forget, retain, holdout = self.splits
@@ -199,39 +189,35 @@ class RecipeSettings:
 
     def eval_overrides(self) -> list[str]:
         forget, _, holdout = self.splits
-        return ["experiment=eval/tofu/default", f"forget_split={forget}", f"holdout_split={holdout}"]
+        return [
+            f"experiment={self.facts.eval_experiment}",
+            f"forget_split={forget}",
+            f"holdout_split={holdout}",
+        ]
 
     def dataset_problems(self, environ) -> list[str]:
-        if environ.get("TOFU_DIR"):
-            available = read_configs(Path(environ["TOFU_DIR"]))
-            absent = [name for name in self.splits if name not in available]
-            if absent:
-                return [f"TOFU_DIR={environ['TOFU_DIR']} lacks the configs {', '.join(absent)}"]
-        elif not _on_hub_or_cached("locuslab/TOFU", "dataset"):
-            return ["dataset locuslab/TOFU: not cached and the hub is unreachable; set TOFU_DIR"]
+        """Whether the runs can read the dataset: from its local mirror, if its variable is set, else the
+        hub's cache or the hub."""
+        hub_id, variable = self.facts.hub(self.forget), self.facts.mirror_variable(self.forget)
+        if variable and environ.get(variable):
+            absent = self.absent_from_mirror(read_configs(Path(environ[variable])))
+            return [f"{variable}={environ[variable]} lacks {absent}"] if absent else []
+        if not _on_hub_or_cached(hub_id, "dataset"):
+            mirror = f"; set {variable}" if variable else ""
+            return [f"dataset {hub_id}: not cached and the hub is unreachable{mirror}"]
         return []
 
-
-# What experiment=unlearn/muse/* and eval=muse load: config -> splits
-MUSE_LOADS = {
-    "raw": ("forget", "retain1"),
-    "verbmem": ("forget",),
-    "knowmem": ("forget_qa", "retain_qa", "forget_qa_icl", "retain_qa_icl"),
-    "privleak": ("forget", "holdout"),
-}
+    def absent_from_mirror(self, available: dict[str, set[str]]) -> str:
+        """What a local mirror offering `available` (config -> splits) lacks for these runs; "" if nothing."""
+        absent = [name for name in self.splits if name not in available]
+        return f"the configs {', '.join(absent)}" if absent else ""
 
 
 @dataclass(frozen=True)
-class MuseRecipe(RecipeSettings):
+class MuseRecipeSettings(RecipeSettings):
     """MUSE: `forget` is the corpus (News or Books); the model is the framework's MUSE target."""
 
-    benchmark = "MUSE"
-    eval_file = "MUSE_EVAL.json"
-    scorecard = report.MUSE
-
-    @property
-    def splits(self) -> tuple[str, str, str]:
-        return ("forget", "retain1", "holdout")
+    facts = MUSE
 
     @property
     def task_prefix(self) -> str:
@@ -239,163 +225,154 @@ class MuseRecipe(RecipeSettings):
 
     @property
     def model_path(self) -> str:
-        return self.model_dir or f"muse-bench/MUSE-{self.forget}_target"
+        return self.model_dir or f"{self.facts.hub(self.forget)}_target"
 
     @property
     def retain_logs_path(self) -> str:
         """As `scripts/muse_unlearn.sh` passes it (`setup_data.py --eval_logs` has it there)."""
         return self.retain_logs or framework_log(
-            f"saves/eval/muse_{self.model}_{self.forget}_retrain/MUSE_EVAL.json"
+            f"saves/eval/muse_{self.model}_{self.forget}_retrain/{self.facts.eval_file}"
         )
 
     @property
     def original_logs_path(self) -> str:
         """The target's logs in the same download (no framework script writes them)."""
-        default = f"saves/eval/muse_{self.model}_{self.forget}_target/MUSE_EVAL.json"
+        default = f"saves/eval/muse_{self.model}_{self.forget}_target/{self.facts.eval_file}"
         return self.original_logs or framework_log(default)
 
     def describe(self) -> str:
-        return f"MUSE-{self.forget}"
-
-    def method_overrides(self, method: str) -> list[str]:
-        return muse_overrides(method)
+        return f"{self.facts.name}-{self.forget}"
 
     def data_overrides(self) -> list[str]:
         return [f"data_split={self.forget}"]
 
     def eval_overrides(self) -> list[str]:
-        return ["experiment=eval/muse/default", f"data_split={self.forget}"]
+        return [f"experiment={self.facts.eval_experiment}", f"data_split={self.forget}"]
 
-    def dataset_problems(self, environ) -> list[str]:
-        hub_id = f"muse-bench/MUSE-{self.forget}"
-        if self.forget == "News" and environ.get("MUSE_DIR"):
-            available = read_configs(Path(environ["MUSE_DIR"]))
-            absent = [
-                f"{config}/{split}"
-                for config, splits in MUSE_LOADS.items()
-                for split in splits
-                if split not in available.get(config, ())
-            ]
-            if absent:
-                return [f"MUSE_DIR={environ['MUSE_DIR']} lacks {', '.join(absent)}"]
-        elif not _on_hub_or_cached(hub_id, "dataset"):
-            mirror = "; set MUSE_DIR" if self.forget == "News" else ""
-            return [f"dataset {hub_id}: not cached and the hub is unreachable{mirror}"]
-        return []
+    def absent_from_mirror(self, available: dict[str, set[str]]) -> str:
+        return ", ".join(
+            f"{config}/{split}"
+            for config, splits in MUSE_LOADS.items()
+            for split in splits
+            if split not in available.get(config, ())
+        )
 
 
 BIN = Path(sys.executable).parent
 
 
-def unlearn_command(run: RecipeSettings, method: str, accelerate_config: Path, port: int) -> list[str]:
+def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Path, port: int) -> list[str]:
     """One process with palu-train, or the framework's accelerate + ZeRO-3 launch on several GPUs."""
     launcher = [str(BIN / "palu-train")]
-    if run.gpus > 1:
+    if settings.gpus > 1:
         accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(accelerate_config)]
         launcher = [*accelerate, "--main_process_port", str(port), *launcher]
-    accumulation = max(1, GLOBAL_BATCH // (PER_DEVICE_BATCH * run.gpus))
+    accumulation = max(1, GLOBAL_BATCH // (PER_DEVICE_BATCH * settings.gpus))
     command = [
         *launcher,
         "--config-name=unlearn.yaml",
-        *run.method_overrides(method),
-        f"model={run.model}",
-        *run.data_overrides(),
-        f"task_name={run.task_name(method)}",
-        f"model.model_args.pretrained_model_name_or_path={run.model_path}",
-        f"retain_logs_path={run.retain_logs_path}",
+        *settings.method_overrides(method),
+        f"model={settings.model}",
+        *settings.data_overrides(),
+        f"task_name={settings.task_name(method)}",
+        f"model.model_args.pretrained_model_name_or_path={settings.model_path}",
+        f"retain_logs_path={settings.retain_logs_path}",
         f"trainer.args.per_device_train_batch_size={PER_DEVICE_BATCH}",
         f"trainer.args.gradient_accumulation_steps={accumulation}",
-        f"trainer.args.learning_rate={run.learning_rate}",
+        f"trainer.args.learning_rate={settings.learning_rate}",
         "trainer.args.gradient_checkpointing=true",
-        *attention_overrides(run),
+        *attention_overrides(settings),
     ]
-    if run.model_dir:
-        command.append(f"model.tokenizer_args.pretrained_model_name_or_path={run.model_dir}")
+    if settings.model_dir:
+        command.append(f"model.tokenizer_args.pretrained_model_name_or_path={settings.model_dir}")
     if METHODS[method].kl_weight_key:
-        command.append(f"{METHODS[method].kl_weight_key}={run.kl_weight}")
+        command.append(f"{METHODS[method].kl_weight_key}={settings.kl_weight}")
     if METHODS[method].uses_idk_answers:
-        command.append(f"idk_path={run.idk_answers_path}")
-    return [*command, *run.extra]
+        command.append(f"idk_path={settings.idk_answers_path}")
+    return [*command, *settings.extra]
 
 
-def eval_command(run: RecipeSettings, method: str) -> list[str]:
-    saved = f"saves/unlearn/{run.task_name(method)}"
-    eval_experiment, *data = run.eval_overrides()
+def eval_command(settings: RecipeSettings, method: str) -> list[str]:
+    saved = f"saves/unlearn/{settings.task_name(method)}"
+    eval_experiment, *data = settings.eval_overrides()
     return [
         str(BIN / "palu-eval"),
         eval_experiment,
-        f"model={run.model}",
+        f"model={settings.model}",
         *data,
-        *run.scorecard.metric_overrides(cuda=True),
-        f"task_name={run.task_name(method)}",
+        *settings.facts.scorecard.metric_overrides(cuda=True),
+        f"task_name={settings.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
-        f"paths.output_dir={run.eval_path(method).parent}",
-        f"retain_logs_path={run.retain_logs_path}",
-        *attention_overrides(run),
+        f"paths.output_dir={settings.eval_path(method).parent}",
+        f"retain_logs_path={settings.retain_logs_path}",
+        *attention_overrides(settings),
     ]
 
 
-def attention_overrides(run: RecipeSettings) -> list[str]:
+def attention_overrides(settings: RecipeSettings) -> list[str]:
     return (
-        [f"model.model_args.attn_implementation={run.attn_implementation}"] if run.attn_implementation else []
+        [f"model.model_args.attn_implementation={settings.attn_implementation}"]
+        if settings.attn_implementation
+        else []
     )
 
 
 def missing_requirements(
-    run: RecipeSettings, environ=os.environ, needs_original_logs=False, needs_idk_answers=False
+    settings: RecipeSettings, environ=os.environ, needs_original_logs=False, needs_idk_answers=False
 ) -> list[str]:
     """What this machine lacks for the real recipe, each with what to do; empty when ready."""
     import torch
 
     problems = []
-    if needs_idk_answers and not Path(run.idk_answers_path).is_file():
+    if needs_idk_answers and not Path(settings.idk_answers_path).is_file():
         problems.append(
-            f"{run.idk_answers_path} not found (DPO's \"I don't know\" answers): run `python setup_data.py "
-            f"--idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer per line"
+            f"{settings.idk_answers_path} not found (DPO's \"I don't know\" answers): run "
+            f"`python setup_data.py --idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer "
+            "per line"
         )
-    if needs_original_logs and not Path(run.original_logs_path).is_file():
+    if needs_original_logs and not Path(settings.original_logs_path).is_file():
         problems.append(
-            f"Original model logs {run.original_logs_path} not found (the comparison table's Original "
+            f"Original model logs {settings.original_logs_path} not found (the comparison table's Original "
             f"row): run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
             "there or here), or evaluate the target as the framework's scripts/tofu_finetune.sh does, or set "
             "ORIGINAL_LOGS"
         )
-    if torch.cuda.device_count() < run.gpus:
+    if torch.cuda.device_count() < settings.gpus:
         problems.append(
-            f"{run.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe fine-tunes a "
-            f"{run.model} model"
+            f"{settings.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe "
+            f"fine-tunes a {settings.model} model"
         )
-    if run.model_dir:
-        if not (Path(run.model_dir) / "config.json").is_file():
+    if settings.model_dir:
+        if not (Path(settings.model_dir) / "config.json").is_file():
             problems.append(
-                f"MODEL_DIR={run.model_dir} has no config.json (save_pretrained weights expected)"
+                f"MODEL_DIR={settings.model_dir} has no config.json (save_pretrained weights expected)"
             )
-        if not any((Path(run.model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        if not any((Path(settings.model_dir) / name).is_file() for name in TOKENIZER_FILES):
             problems.append(
-                f"MODEL_DIR={run.model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the recipe "
-                "loads the tokenizer from it too; save it there with tokenizer.save_pretrained"
+                f"MODEL_DIR={settings.model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the "
+                "recipe loads the tokenizer from it too; save it there with tokenizer.save_pretrained"
             )
-    elif not model_config(run.model):
+    elif not model_config(settings.model):
         problems.append(
-            f"no model config {run.model}.yaml in {checkout_dir() / 'configs' / 'model'} or "
+            f"no model config {settings.model}.yaml in {checkout_dir() / 'configs' / 'model'} or "
             f"{CONFIG_DIR / 'model'}: MODEL= names one of the framework's model configs"
         )
     else:
         problems.extend(
             problem
             for problem in (
-                hub_problem(run.model_path, "model", "config.json", environ),
-                hub_problem(run.tokenizer_path, "tokenizer", "tokenizer_config.json", environ),
+                hub_problem(settings.model_path, "model", "config.json", environ),
+                hub_problem(settings.tokenizer_path, "tokenizer", "tokenizer_config.json", environ),
             )
             if problem
         )
-    problems.extend(run.dataset_problems(environ))
-    if not Path(run.retain_logs_path).is_file():
+    problems.extend(settings.dataset_problems(environ))
+    if not Path(settings.retain_logs_path).is_file():
         problems.append(
-            f"retain model logs {run.retain_logs_path} not found (forget quality / privleak need them): run "
-            f"`python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from there or "
-            "here), or set RETAIN_LOGS"
+            f"retain model logs {settings.retain_logs_path} not found (forget quality / privleak need them): "
+            f"run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from there "
+            "or here), or set RETAIN_LOGS"
         )
     return problems
 
@@ -456,29 +433,29 @@ def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
         return False
 
 
-def method_runs(run: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
+def method_runs(settings: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
     """(method, settings) of every run. `tune`: the equal budget, the paper's learning rates x the method's
     knob (methods.Knob; PALU's is λ); a method without a knob gets as many learning rates."""
     runs = []
     for method in methods:
         if not tune:
-            runs.append((method, run))
+            runs.append((method, settings))
             continue
         for rate, params, extra in tuning_grid(method, PAPER_LEARNING_RATES, tune_knobs=True):
             knob = METHODS[method].knob
             if knob and knob.key == METHODS[method].kl_weight_key:
-                tuned = replace(run, kl_weight=f"{params[knob.name]:g}")
+                tuned = replace(settings, kl_weight=f"{params[knob.name]:g}")
             else:
                 variant = tuple((name, f"{value:g}") for name, value in params.items() if name != "lr")
-                tuned = replace(run, variant=variant, extra=extra)
+                tuned = replace(settings, variant=variant, extra=extra)
             runs.append((method, replace(tuned, learning_rate=f"{rate:g}")))
     return runs
 
 
-def ablation_runs(run: RecipeSettings, axis: str) -> list[tuple[str, RecipeSettings]]:
-    """PALU at every point of one of the paper's ablation axes (experiments.ablation.AXES)."""
+def ablation_runs(settings: RecipeSettings, axis: str) -> list[tuple[str, RecipeSettings]]:
+    """PALU at every point of one of the paper's ablation axes (experiments.ablation_axes.AXES)."""
     return [
-        (METHOD, replace(run, variant=((axis, label),), extra=overrides))
+        (ABLATED_METHOD, replace(settings, variant=((axis, label),), extra=overrides))
         for label, overrides in AXES[axis].points.items()
     ]
 
@@ -486,10 +463,10 @@ def ablation_runs(run: RecipeSettings, axis: str) -> list[tuple[str, RecipeSetti
 def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
     port = free_port()
     steps = []
-    for method, run in runs:
-        title = run.task_name(method)
-        steps.append((f"{title}: unlearn", unlearn_command(run, method, accelerate_config, port)))
-        steps.append((f"{title}: {run.benchmark} evaluation", eval_command(run, method)))
+    for method, settings in runs:
+        title = settings.task_name(method)
+        steps.append((f"{title}: unlearn", unlearn_command(settings, method, accelerate_config, port)))
+        steps.append((f"{title}: {settings.facts.name} evaluation", eval_command(settings, method)))
     return steps
 
 
@@ -498,35 +475,34 @@ def write_comparison(
 ) -> dict:
     """One table, JSON and utility-vs-FQ plot of the runs' evaluations (experiments.report); `wall_times`:
     unlearning seconds by task name."""
-    run = runs[0][1]
-    references = {
-        "Original": report.run_from_eval(run.original_logs_path, scorecard=run.scorecard),
-        "Retain": report.run_from_eval(run.retain_logs_path, scorecard=run.scorecard),
-    }
-    if run.scorecard is report.TOFU:
-        references["Retain"].metrics["forget_quality"] = 1.0  # a KS test of Retain against itself
+    shared = runs[0][1]  # benchmark, model and reference logs are every run's
+    scorecard = shared.facts.scorecard
+    references = report.references(
+        report.run_from_eval(shared.original_logs_path, scorecard=scorecard),
+        report.run_from_eval(shared.retain_logs_path, scorecard=scorecard),
+        scorecard,
+    )
     grids = {}
     for method, settings in runs:
         evaluated = report.run_from_eval(
             settings.eval_path(method),
             wall_times.get(settings.task_name(method)),
             settings.params(method),
-            run.scorecard,
+            scorecard,
         )
         grids.setdefault(method, []).append(evaluated)
-    forget, retain, _ = run.splits
-    title = f"TOFU {forget}" if run.scorecard is report.TOFU else run.describe()
+    _, retain, _ = shared.splits
     budget = ", ".join(f"{method} {len(evaluated)}" for method, evaluated in grids.items())
     return report.write_report(
         out_dir,
         references,
         grids,
-        title=f"{title}: {', '.join(grids)} on {run.model}",
+        title=f"{shared.describe()}: {', '.join(grids)} on {shared.model}",
         notes=[
-            f"Retain: {run.retain_logs_path} ({retain}); Original: {run.original_logs_path}.",
+            f"Retain: {shared.retain_logs_path} ({retain}); Original: {shared.original_logs_path}.",
             f"Runs per method: {budget} (hyperparameters in the table of every run).",
         ],
-        scorecard=run.scorecard,
+        scorecard=scorecard,
     )
 
 
@@ -538,9 +514,9 @@ def free_port() -> int:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="palu-recipe", description=__doc__.splitlines()[0])
-    parser.add_argument("--bench", choices=("tofu", "muse"), default="tofu")
-    parser.add_argument("--forget", choices=sorted(SPLITS), default="05", help="TOFU's forget split")
-    parser.add_argument("--split", choices=("News", "Books"), default="News", help="MUSE's corpus")
+    parser.add_argument("--bench", choices=list(BENCHMARKS), default="tofu")
+    parser.add_argument("--forget", choices=sorted(TOFU.splits), default="05", help="TOFU's forget split")
+    parser.add_argument("--split", choices=list(MUSE.splits), default="News", help="MUSE's corpus")
     parser.add_argument(
         "--model", help="a framework model config name (default: Llama-2-7b-chat-hf; MUSE: Llama-2-7b-hf)"
     )
@@ -590,39 +566,39 @@ def main(argv=None) -> None:
 
     gpus = args.gpus or max(1, torch.cuda.device_count())
     muse = args.bench == "muse"
-    settings, forget = (MuseRecipe, args.split) if muse else (RecipeSettings, args.forget)
+    settings_class, subset = (MuseRecipeSettings, args.split) if muse else (RecipeSettings, args.forget)
     model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
     attention, warnings, attention_problems = choose_attention(model, args.attn)
-    run = settings(
-        forget,
-        model,
-        gpus,
-        args.lr,
-        args.kl_weight,
-        args.model_dir,
-        args.retain_logs,
-        args.idk_answers,
+    settings = settings_class(
+        forget=subset,
+        model=model,
+        gpus=gpus,
+        learning_rate=args.lr,
+        kl_weight=args.kl_weight,
+        model_dir=args.model_dir,
+        retain_logs=args.retain_logs,
+        idk_answers=args.idk_answers,
         original_logs=args.original_logs,
         attn_implementation=attention,
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
     if args.ablation:
-        runs = ablation_runs(run, args.ablation)
+        runs = ablation_runs(settings, args.ablation)
         what = f"PALU ablation, {AXES[args.ablation].title}"
     else:
-        runs = method_runs(run, args.methods, args.tune)
+        runs = method_runs(settings, args.methods, args.tune)
         what = ", ".join(args.methods) + (" (lr x knob grid)" if args.tune else "")
     steps = plan(runs, accelerate_config)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    print(f"plan: {run.describe()}, {model}, {gpus} GPU(s), {what}: {len(runs)} runs")
+    print(f"plan: {settings.describe()}, {model}, {gpus} GPU(s), {what}: {len(runs)} runs")
     for title, command in steps:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
         return
     problems = attention_problems + missing_requirements(
-        run,
+        settings,
         needs_original_logs=args.report is not None,
         needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
     )

@@ -80,10 +80,7 @@ SELECTION_RULE = (
 )
 UTILITY_NOTE = (
     "retain utility = harmonic mean of retain ROUGE, retain probability and retain truth ratio (the "
-    "retain half of the stock model utility). Stock MU is the harmonic mean of nine parts, six on "
-    "real-author and world-fact questions that a model trained from scratch cannot answer: one part "
-    "near 0 collapses it, so it is ≈ 0 (and noise) for these models; the table ranks and selects by "
-    "retain utility."
+    "retain half of the stock model utility); the table ranks and selects by retain utility."
 )
 
 
@@ -138,6 +135,8 @@ class Scorecard:
     log_y: bool
     paper_tables: tuple = ()  # (heading, columns, note) of the paper's further tables
     adds_paper_metrics: bool = False  # the evaluation adds PAPER_METRICS (and fluency) to the stock metrics
+    # What Retain scores by definition rather than as evaluated (TOFU's FQ: a KS test against itself)
+    retain_by_definition: dict = field(default_factory=dict)
 
     def metric_overrides(self, cuda: bool) -> list[str]:
         """Hydra overrides adding the paper's metrics to the stock evaluation; fluency only where its
@@ -181,6 +180,7 @@ TOFU = Scorecard(
     plot_file="mu_vs_fq.png",
     log_y=True,
     adds_paper_metrics=True,
+    retain_by_definition={"forget_quality": 1.0},
     paper_tables=(
         (
             "The paper's Table 1: utility, memorization, truth ratios",
@@ -242,6 +242,14 @@ def run_from_eval(
 ) -> EvaluatedModel:
     metrics = metrics_from_eval(eval_json, scorecard)
     return EvaluatedModel(metrics, wall_time_s, dict(params or {}), str(eval_json))
+
+
+def references(
+    original: EvaluatedModel, retain: EvaluatedModel, scorecard: Scorecard
+) -> dict[str, EvaluatedModel]:
+    """The report's reference rows, Retain with what it scores by definition."""
+    retain.metrics.update(scorecard.retain_by_definition)
+    return {"Original": original, "Retain": retain}
 
 
 def select_run(

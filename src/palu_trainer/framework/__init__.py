@@ -1,1 +1,2 @@
-"""Everything that touches open-unlearning. `checkout` is the ground floor; `plugin` the top floor."""
+"""Everything that touches open-unlearning. `checkout` is the ground floor; `cli` (palu-train, palu-eval) the
+top floor."""

@@ -1,5 +1,6 @@
 """Mistakes that palu-train and palu-eval refuse before training, each message naming the option and the fix.
 
+- `argv_problem`: on the command line; `cpu_runtime_missing`: a run without CUDA and without the CPU overlay.
 - `CONFIG_CHECKS`: on the composed config, before Hydra starts the job (creates the output folder) and
   before anything loads: output folder, model folder, `max_steps`, trainer options and their values, a
   trainer that cannot read the experiment's forget set, `max_length`.
@@ -55,6 +56,20 @@ def argv_problem(argv) -> str | None:
                 f"overridden: write `+{arg}`"
             )
     return None
+
+
+def cpu_runtime_missing(runtime_choice: str | None, cuda_available: bool) -> str | None:
+    """The error for a run without CUDA and without the `+runtime=cpu` overlay, else None.
+
+    Without it the framework's warm-up divides by the CUDA device count ("float floor division by
+    zero") and its optimizer and bf16 defaults need a GPU.
+    """
+    if cuda_available or runtime_choice == "cpu":
+        return None
+    return (
+        "no CUDA device: add `+runtime=cpu` to the command line (adamw_torch, fp32, no bf16, warm-up as a "
+        "ratio, device_map=cpu; configs/runtime/cpu.yaml)"
+    )
 
 
 def output_dir_problem(cfg, script) -> str | None:

@@ -14,7 +14,7 @@ from palu_trainer.spans.format import (
     word_cut_warning,
     write_annotations,
 )
-from palu_trainer.spans.tpo import import_tpo, read_tpo
+from palu_trainer.spans.tpo_spans import import_tpo, read_tpo
 
 
 def main(argv=None) -> None:

@@ -1,1 +1,1 @@
-"""Trainers registered into open-unlearning's TRAINER_REGISTRY by `palu_trainer.framework.plugin`."""
+"""Trainers registered into open-unlearning's TRAINER_REGISTRY by `palu_trainer.framework.registry`."""

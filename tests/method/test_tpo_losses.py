@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from palu_trainer.method.roles import TokenRole
-from palu_trainer.method.tpo import tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
 BETA = 0.32

@@ -1,0 +1,81 @@
+"""The one table of benchmarks (TOFU, MUSE) that the miniature and the GPU recipe run, as `methods.py` is for
+methods: their hub datasets and local mirrors, splits, experiment configs, evaluation files and scorecards.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from palu_trainer.benchmarks.tofu_format import tofu_splits
+from palu_trainer.experiments import report
+from palu_trainer.experiments.methods import muse_overrides, tofu_overrides
+from palu_trainer.framework.local_mirrors import LOCAL_MIRRORS
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchmarkFacts:
+    """How the framework runs one benchmark.
+
+    name: as plans and reports call it, and the prefix of its evaluator's file (`TOFU_EVAL.json`);
+        lowercased, the folder of its experiment configs (`eval/tofu/default`).
+    hub_id: its dataset on the hub; `{subset}` stands for the subset's name.
+    splits: subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout
+        splits.
+    scorecard: what the report reads of the evaluation's file, selects by and plots.
+    method_overrides: a method's experiment and trainer overrides on this benchmark (`methods.METHODS`).
+    """
+
+    name: str
+    hub_id: str
+    splits: dict[str, tuple[str, str, str]]
+    scorecard: report.Scorecard
+    method_overrides: Callable[[str], list[str]]
+
+    @property
+    def eval_experiment(self) -> str:
+        """The framework's stock evaluation."""
+        return f"eval/{self.name.lower()}/default"
+
+    @property
+    def tiny_finetune_experiment(self) -> str:
+        """This plugin's finetuning of a small local model (`model=tiny-llama`: the miniature, gpu-check)."""
+        return f"finetune/{self.name.lower()}/tiny"
+
+    @property
+    def tiny_eval_experiment(self) -> str:
+        return f"eval/{self.name.lower()}/tiny"
+
+    @property
+    def eval_file(self) -> str:
+        """What the evaluator writes to the evaluation's output folder."""
+        return f"{self.name}_EVAL.json"
+
+    def hub(self, subset: str) -> str:
+        return self.hub_id.format(subset=subset)
+
+    def mirror_variable(self, subset: str) -> str | None:
+        """The environment variable that points this subset's hub dataset at a local folder, if one does."""
+        return LOCAL_MIRRORS.get(self.hub(subset))
+
+
+TOFU = BenchmarkFacts(
+    name="TOFU",
+    hub_id="locuslab/TOFU",
+    splits={f"{percent:02d}": tofu_splits(percent) for percent in (1, 5, 10)},
+    scorecard=report.TOFU,
+    method_overrides=tofu_overrides,
+)
+MUSE = BenchmarkFacts(
+    name="MUSE",
+    hub_id="muse-bench/MUSE-{subset}",
+    splits={corpus: ("forget", "retain1", "holdout") for corpus in ("News", "Books")},
+    scorecard=report.MUSE,
+    method_overrides=muse_overrides,
+)
+BENCHMARKS = {"tofu": TOFU, "muse": MUSE}
+# What experiment=unlearn/muse/* and eval=muse load: config -> splits
+MUSE_LOADS = {
+    "raw": ("forget", "retain1"),
+    "verbmem": ("forget",),
+    "knowmem": ("forget_qa", "retain_qa", "forget_qa_icl", "retain_qa_icl"),
+    "privleak": ("forget", "holdout"),
+}

@@ -1,0 +1,564 @@
+"""The offline miniature that the CPU experiments (demo, ablation, convergence) start from, and their common
+command line and run names.
+
+A miniature: local benchmark data (synthetic TOFU, a real-TOFU subset, or a MUSE-News subset) → tokenizer
+and tiny Llama from scratch → Original finetuned on `full` and Retain on the retain split (cached by a hash
+of data, model and hyperparameters) → both evaluated with the stock evaluator. Experiments then unlearn
+Original (`Stages.unlearn`). Every training and evaluation is a subprocess running the framework's own
+train.py / eval.py through this plugin's entry points.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from palu_trainer.benchmarks.hf_dir import read_jsonl
+from palu_trainer.benchmarks.muse_subset import make_muse_subset
+from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
+from palu_trainer.experiments import report
+from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
+from palu_trainer.experiments.methods import METHODS
+from palu_trainer.experiments.tiny import save_tiny_model
+from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """How big a miniature's model and runs are; `TofuSize` and `MuseSize` add how much data."""
+
+    hidden_size: int
+    num_layers: int
+    max_vocab_size: int  # the tokenizer's target; it stops earlier when the text has no more pairs to merge
+    finetune_epochs: int
+    finetune_learning_rate: float
+    unlearn_epochs: int
+    unlearn_batch_size: int
+    unlearn_learning_rates: tuple[float, ...]
+    eval_max_new_tokens: int
+    tune_knobs: bool  # the equal-budget grid: learning rates x every method's knob (methods.tuning_grid)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TofuSize(Size):
+    synthetic_authors: int  # trained authors of the synthetic data (`--data tofu` has its own subset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuseSize(Size):
+    article_runs: int  # runs of consecutive forget articles kept (benchmarks.muse_subset's `num_windows`)
+    retain_excerpts: int
+    holdout_excerpts: int
+    max_length: int  # unlearning's forget/retain chunks (tokens), as long as a verbmem row (~1200)
+
+
+# `fast`: the small variant that `make test` runs
+TOFU_SIZES = {
+    "full": TofuSize(
+        synthetic_authors=40,
+        hidden_size=128,
+        num_layers=2,
+        max_vocab_size=4096,
+        finetune_epochs=25,
+        finetune_learning_rate=3e-3,
+        unlearn_epochs=10,
+        unlearn_batch_size=8,
+        unlearn_learning_rates=(3e-4, 1e-3, 3e-3),
+        eval_max_new_tokens=48,
+        tune_knobs=True,
+    ),
+    "fast": TofuSize(
+        synthetic_authors=16,
+        hidden_size=64,
+        num_layers=2,
+        max_vocab_size=1024,
+        finetune_epochs=30,
+        finetune_learning_rate=5e-3,
+        unlearn_epochs=5,
+        unlearn_batch_size=8,
+        unlearn_learning_rates=(1e-3,),
+        eval_max_new_tokens=32,
+        tune_knobs=False,
+    ),
+}
+MUSE_FULL = MuseSize(
+    article_runs=2,
+    retain_excerpts=2,
+    holdout_excerpts=6,
+    hidden_size=128,
+    num_layers=2,
+    max_vocab_size=4096,
+    finetune_epochs=60,
+    finetune_learning_rate=5e-3,
+    unlearn_epochs=5,
+    unlearn_batch_size=1,
+    unlearn_learning_rates=(1e-3, 3e-3),
+    eval_max_new_tokens=128,
+    tune_knobs=False,
+    max_length=1280,
+)
+MUSE_SIZES = {
+    "full": MUSE_FULL,
+    "fast": replace(
+        MUSE_FULL,
+        article_runs=1,
+        retain_excerpts=1,
+        holdout_excerpts=4,
+        max_vocab_size=2048,
+        unlearn_epochs=10,
+        unlearn_learning_rates=(1e-3,),
+    ),
+}
+FRAMEWORK_ENTRY = "from palu_trainer.framework.cli import {0}_main; {0}_main()"
+CPU_TRAINING = [
+    "+runtime=cpu",
+    "model=tiny-llama",
+    "trainer.args.gradient_accumulation_steps=1",
+    "trainer.args.do_eval=false",
+    "trainer.args.eval_on_start=false",
+    "trainer.args.eval_strategy=no",
+    "trainer.args.report_to=none",
+    "trainer.args.logging_steps=5",
+]
+MINIATURE_STAGES = 6  # data, tokenizer and model, two finetunings, two evaluations
+
+
+class Progress:
+    """Stage lines with elapsed time, so a person watching knows where the run is."""
+
+    def __init__(self, total_stages: int):
+        self.start = time.monotonic()
+        self.total = total_stages
+        self.done = 0
+        self.stage_times: dict[str, float] = {}
+        self.lock = threading.Lock()  # stages finish on worker threads
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.0f}s] {message}", flush=True)
+
+    def stage(self, name: str, seconds: float, note: str = "") -> None:
+        with self.lock:
+            self.done += 1
+            self.stage_times[name] = round(seconds, 1)
+            self.say(f"({self.done}/{self.total}) {name}: {seconds:.0f} s{note}")
+
+
+def file_digest(*paths: Path) -> str:
+    digest = hashlib.sha1()
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def benchmark_texts(data_dir: Path) -> list[str]:
+    """Every question and answer string in the benchmark, to train the tokenizer on."""
+    texts = []
+    for path in sorted(data_dir.glob("*.json")):
+        for row in read_jsonl(path):
+            for value in row.values():
+                texts.extend([value] if isinstance(value, str) else value)
+    return texts
+
+
+def run_framework(entry: str, overrides: list[str], log_path: Path, env: dict) -> float:
+    """Run open-unlearning's train.py or eval.py (`entry` = train | eval) in a subprocess; return seconds."""
+    command = [sys.executable, "-c", FRAMEWORK_ENTRY.format(entry), *overrides]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with log_path.open("w") as log:
+        log.write(" ".join(command) + "\n\n")
+        log.flush()
+        result = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent)
+    if result.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(True)[-40:])
+        raise RuntimeError(f"{entry} failed (exit {result.returncode}); log {log_path}:\n{tail}")
+    return time.monotonic() - start
+
+
+def model_paths(model_dir: Path) -> list[str]:
+    return [
+        f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
+    ]
+
+
+def unlearning_run_name(method: str, params: dict) -> str:
+    """NPO_lr0.001, or NPO_lr0.001_beta0.5 for a knob's value."""
+    return method + "".join(f"_{key}{value:g}" for key, value in params.items())
+
+
+class Stages:
+    """The framework's runs on the TOFU miniature: finetune and evaluate (cached), unlearn (`MuseStages`:
+    on the MUSE one)."""
+
+    facts = TOFU
+
+    def __init__(
+        self, benchmark: TofuBenchmark, size: Size, run_dir: Path, cache_dir: Path, progress: Progress
+    ):
+        self.benchmark, self.size, self.run_dir, self.cache_dir = benchmark, size, run_dir, cache_dir
+        self.progress = progress
+        # One thread per process: a model this small gains nothing from a second one, and two OpenMP
+        # threads on a busy 2-core machine spin against each other (measured: 10x slower steps).
+        threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.env = {
+            **threads,
+            **os.environ,
+            self.facts.mirror_variable(self.subset): str(self.data_dir()),
+            # `datasets` caches a local directory's configs under its base name, not its path or
+            # contents: another run's `data/` would be served. One cache per run, emptied at its start.
+            "HF_DATASETS_CACHE": str(run_dir / "datasets-cache"),
+        }
+
+    def run_cached_stage(self, stage: str, kind: str, key_parts: list[str], produce) -> tuple[Path, float]:
+        """Run `produce(out_dir) -> seconds` once per key; later calls with that key reuse its output.
+
+        Returns the output directory and the seconds it took to make (when it was made).
+        """
+        self.progress.say(f"{stage} …")
+        key = hashlib.sha1("\n".join(key_parts).encode()).hexdigest()[:16]
+        out_dir = self.cache_dir / f"{kind}-{key}"
+        done = out_dir / "demo_stage.json"
+        if done.is_file():
+            seconds = json.loads(done.read_text())["wall_time_s"]
+            self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)")
+            return out_dir, seconds
+        shutil.rmtree(out_dir, ignore_errors=True)
+        seconds = produce(out_dir)
+        done.write_text(json.dumps({"wall_time_s": seconds, "key": key_parts}))
+        self.progress.stage(stage, seconds)
+        return out_dir, seconds
+
+    @property
+    def subset(self) -> str:
+        """The TOFU subset the local data stands in for (`benchmark_facts.TOFU.splits`)."""
+        return self.benchmark.forget_split.removeprefix("forget")
+
+    def data_dir(self) -> Path:
+        return self.benchmark.tofu_dir
+
+    def split_files(self, train_split: str) -> list[Path]:
+        return [self.benchmark.tofu_dir / f"{train_split}.json"]
+
+    def benchmark_overrides(self) -> list[str]:
+        return [
+            f"forget_split={self.benchmark.forget_split}",
+            f"holdout_split={self.benchmark.holdout_split}",
+            f"max_new_tokens={self.benchmark.max_new_tokens}",
+        ]
+
+    def method_overrides(self, method: str) -> list[str]:
+        return [
+            *self.facts.method_overrides(method),
+            f"forget_split={self.benchmark.forget_split}",
+            f"retain_split={self.benchmark.retain_split}",
+            f"holdout_split={self.benchmark.holdout_split}",
+        ]
+
+    def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
+        experiment = self.facts.tiny_finetune_experiment
+        overrides = [
+            f"experiment={experiment}",
+            "+runtime=cpu",
+            f"train_split={train_split}",
+            f"trainer.args.num_train_epochs={self.size.finetune_epochs}",
+            f"trainer.args.learning_rate={self.size.finetune_learning_rate}",
+            f"task_name={name}",
+        ]
+        key = [
+            file_digest(*self.split_files(train_split)),
+            file_digest(*(model_dir / f for f in ("config.json", "model.safetensors", "tokenizer.json"))),
+            file_digest(CONFIG_DIR / "experiment" / f"{experiment}.yaml"),
+            *overrides,
+        ]
+
+        def produce(out_dir: Path) -> float:
+            arguments = [*overrides, *model_paths(model_dir), f"paths.output_dir={out_dir}"]
+            return run_framework("train", arguments, self.run_dir / "logs" / f"finetune_{name}.log", self.env)
+
+        return self.run_cached_stage(f"finetune {name} on {train_split}", "finetune", key, produce)
+
+    def evaluate(self, name: str, model_dir: Path, retain_eval: Future | None, cache: bool) -> Path:
+        """Stock evaluation against Retain's, once `retain_eval` gives its eval file (None: Retain itself)."""
+        retain_logs = retain_eval.result() if retain_eval is not None else None
+        experiment = self.facts.tiny_eval_experiment
+        overrides = [
+            f"experiment={experiment}",
+            "+runtime=cpu",
+            *self.benchmark_overrides(),
+            *self.facts.scorecard.metric_overrides(cuda=False),
+            f"retain_logs_path={retain_logs or 'null'}",
+            f"task_name={name}_eval",
+        ]
+
+        def produce(out_dir: Path) -> float:
+            arguments = [*overrides, *model_paths(model_dir), f"paths.output_dir={out_dir}"]
+            return run_framework("eval", arguments, self.run_dir / "logs" / f"eval_{name}.log", self.env)
+
+        stage = f"evaluate {name}"
+        if cache:
+            key = [
+                file_digest(model_dir / "model.safetensors"),
+                *self.benchmark_digest(),
+                file_digest(CONFIG_DIR / "experiment" / f"{experiment}.yaml"),
+                *overrides,
+            ]
+            out_dir, _ = self.run_cached_stage(stage, "eval", key, produce)
+        else:
+            out_dir = self.run_dir / "evals" / name
+            self.progress.say(f"{stage} …")
+            self.progress.stage(stage, produce(out_dir))
+        return out_dir / self.facts.eval_file
+
+    def benchmark_digest(self) -> list[str]:
+        return [file_digest(*self.data_dir().glob("*.json"))]
+
+    def unlearn_and_evaluate(
+        self, method: str, learning_rate: float, original_dir: Path, retain_eval: Future, extra=(), name=None
+    ):
+        """Unlearn Original with `method`, then evaluate; return (eval file, unlearning seconds)."""
+        unlearned_dir, seconds = self.unlearn(method, learning_rate, original_dir, extra, name)
+        return self.evaluate(unlearned_dir.name, unlearned_dir, retain_eval, cache=False), seconds
+
+    def unlearn_overrides(
+        self, method: str, learning_rate: float, original_dir: Path, out_dir: Path, extra=()
+    ) -> list[str]:
+        """The framework's train.py command line that unlearns Original with `method` (METHODS); `extra`
+        overrides come last (a knob's value, an ablation point)."""
+        spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
+        idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
+        return [
+            "--config-name=unlearn.yaml",
+            *self.method_overrides(method),
+            *spans,
+            *idk,
+            *CPU_TRAINING,
+            *model_paths(original_dir),
+            f"trainer.args.learning_rate={learning_rate}",
+            f"trainer.args.num_train_epochs={self.size.unlearn_epochs}",
+            f"trainer.args.per_device_train_batch_size={self.size.unlearn_batch_size}",
+            f"task_name={out_dir.name}",
+            f"paths.output_dir={out_dir}",
+            *extra,
+        ]
+
+    def unlearn(
+        self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None
+    ) -> tuple[Path, float]:
+        name = name or unlearning_run_name(method, {"lr": learning_rate})
+        out_dir = self.run_dir / "unlearn" / name
+        overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir, extra)
+        self.progress.say(f"unlearn {name} …")
+        seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
+        self.progress.stage(f"unlearn {name}", seconds)
+        return out_dir, seconds
+
+
+class MuseStages(Stages):
+    """The MUSE miniature's runs: the local MUSE-News subset as `MUSE_DIR`, raw text in `max_length`
+    chunks."""
+
+    facts = MUSE
+    subset = "News"  # the miniature is a subset of MUSE-News (benchmarks.muse_subset)
+
+    def data_dir(self) -> Path:
+        return self.benchmark.muse_dir
+
+    def split_files(self, train_split: str) -> list[Path]:
+        return [self.benchmark.muse_dir / "raw" / f"{train_split}.jsonl"]
+
+    def benchmark_digest(self) -> list[str]:
+        return [file_digest(*self.benchmark.muse_dir.glob("*/*.jsonl"))]
+
+    def benchmark_overrides(self) -> list[str]:
+        return [f"max_new_tokens={self.size.eval_max_new_tokens}"]
+
+    def method_overrides(self, method: str) -> list[str]:
+        forget = "MUSE_forget_spans" if METHODS[method].uses_spans else "MUSE_forget"
+        return [
+            *self.facts.method_overrides(method),
+            f"data.forget.{forget}.args.max_length={self.size.max_length}",
+            f"data.retain.MUSE_retain.args.max_length={self.size.max_length}",
+        ]
+
+
+def start_run(bench: str, data: str, size_name: str, run_dir: Path, stages: int) -> Progress:
+    """The run folder and the progress lines of a run with `stages` stages besides the miniature's."""
+    progress = Progress(total_stages=MINIATURE_STAGES + stages)
+    shutil.rmtree(run_dir / "datasets-cache", ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    progress.say(f"bench={bench}, data={data}, size={size_name}, output {run_dir}")
+    return progress
+
+
+def make_model(
+    run_dir: Path, texts: list[str], size: Size, seed: int, progress: Progress
+) -> tuple[Path, int]:
+    """The tokenizer and tiny Llama; returns their folder and the vocabulary size they reached."""
+    start = time.monotonic()
+    model_dir = save_tiny_model(
+        run_dir / "tiny-llama",
+        texts,
+        vocab_size=size.max_vocab_size,
+        hidden_size=size.hidden_size,
+        num_layers=size.num_layers,
+        seed=seed,
+    )
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    progress.stage(
+        f"tokenizer + Llama ({size.num_layers} layers, hidden {size.hidden_size})", time.monotonic() - start
+    )
+    return model_dir, vocab_size
+
+
+@dataclass(kw_only=True)
+class Miniature:
+    """What every experiment on a miniature starts from: Original and Retain, finetuned (or cached), and
+    their evaluations running on the pool (`*_eval` are futures of eval files; `retain_eval` is what
+    `Stages.evaluate` waits for). `notes`: the report's lines on data and model."""
+
+    stages: Stages
+    vocab_size: int
+    original_dir: Path
+    original_seconds: float
+    retain_seconds: float
+    original_eval: Future
+    retain_eval: Future
+    notes: list[str]
+
+    def references(self) -> dict[str, report.EvaluatedModel]:
+        size, scorecard = self.stages.size, self.stages.facts.scorecard
+        params = {"lr": size.finetune_learning_rate, "epochs": size.finetune_epochs}
+        return report.references(
+            report.run_from_eval(self.original_eval.result(), self.original_seconds, params, scorecard),
+            report.run_from_eval(self.retain_eval.result(), self.retain_seconds, params, scorecard),
+            scorecard,
+        )
+
+    def unlearn_and_evaluate(self, method: str, learning_rate: float, extra=(), name=None):
+        """Unlearn Original (`Stages.unlearn_and_evaluate`), evaluated against Retain."""
+        return self.stages.unlearn_and_evaluate(
+            method, learning_rate, self.original_dir, self.retain_eval, extra, name
+        )
+
+
+def finetune_references(
+    stages: Stages, model_dir: Path, retain_split: str, vocab_size: int, pool, notes: list[str]
+) -> Miniature:
+    """Finetune Original on `full` and Retain on `retain_split` (or take them from the cache) and submit
+    their evaluations. Single-threaded framework processes run `jobs` at a time on `pool`; every wait is on
+    a job submitted earlier, which already holds a worker, so the pool cannot deadlock."""
+    original = pool.submit(stages.finetune, "Original", model_dir, "full")
+    retain = pool.submit(stages.finetune, "Retain", model_dir, retain_split)
+    (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
+    retain_eval = pool.submit(stages.evaluate, "Retain", retain_dir, None, cache=True)
+    original_eval = pool.submit(stages.evaluate, "Original", original_dir, retain_eval, cache=True)
+    return Miniature(
+        stages=stages,
+        vocab_size=vocab_size,
+        original_dir=original_dir,
+        original_seconds=original_seconds,
+        retain_seconds=retain_seconds,
+        original_eval=original_eval,
+        retain_eval=retain_eval,
+        notes=notes,
+    )
+
+
+def model_note(size: Size, vocab_size: int) -> str:
+    """The report's line on the model the miniature trains from scratch."""
+    return (
+        f"Model: Llama from scratch, {size.num_layers} layers, hidden {size.hidden_size}, byte-level BPE "
+        f"vocabulary {vocab_size} (trained for at most {size.max_vocab_size})"
+    )
+
+
+def tofu_miniature(args: argparse.Namespace, progress: Progress, pool) -> Miniature:
+    """The TOFU miniature that the command line (`parse_arguments`) names: synthetic authors or a real-TOFU
+    subset, its tokenizer and tiny Llama, Original and Retain."""
+    size = TOFU_SIZES[args.size]
+    start = time.monotonic()
+    data_dir = args.run_dir / "data"
+    if args.data == "synthetic":
+        benchmark = synthetic_benchmark(data_dir, size.synthetic_authors, size.eval_max_new_tokens, args.seed)
+    else:
+        benchmark = make_tofu_subset(args.tofu_dir, args.spans, data_dir)
+    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
+    model_dir, vocab_size = make_model(args.run_dir, benchmark_texts(data_dir), size, args.seed, progress)
+    notes = [
+        f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
+        f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
+        f"{model_note(size, vocab_size)}; unlearning starts from Original and runs {size.unlearn_epochs} "
+        f"epochs, batch {size.unlearn_batch_size}.",
+        "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
+        "privleak uses the stock reference AUC of 0.5.",
+        "Stock MU is the harmonic mean of nine parts, six on real-author and world-fact questions that a "
+        "model trained from scratch cannot answer: one part near 0 collapses it, so it is ≈ 0 (and noise) "
+        "for these models.",
+    ]
+    if args.data == "synthetic":
+        notes.append(
+            "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
+        )
+    stages = Stages(benchmark, size, args.run_dir, args.results / ".cache", progress)
+    return finetune_references(stages, model_dir, benchmark.retain_split, vocab_size, pool, notes)
+
+
+def muse_miniature(args: argparse.Namespace, muse_dir: Path, progress: Progress, pool) -> Miniature:
+    """The MUSE miniature: a subset of the MUSE-News folder `muse_dir` with spans from the annotator, its
+    tokenizer and tiny Llama, Original and Retain. `notes` stay empty: the demo's say what it runs."""
+    size = MUSE_SIZES[args.size]
+    start = time.monotonic()
+    benchmark = make_muse_subset(
+        muse_dir,
+        args.run_dir / "data",
+        size.article_runs,
+        size.retain_excerpts,
+        size.holdout_excerpts,
+        args.run_dir / "spans.jsonl",
+    )
+    progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
+    model_dir, vocab_size = make_model(args.run_dir, benchmark.texts(), size, args.seed, progress)
+    stages = MuseStages(benchmark, size, args.run_dir, args.results / ".cache", progress)
+    _, retain_split, _ = MUSE.splits[MuseStages.subset]
+    return finetune_references(stages, model_dir, retain_split, vocab_size, pool, [])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every experiment on the miniature: data, size, output, parallelism."""
+    parser.add_argument("--data", choices=("synthetic", "tofu"), default="synthetic", help="for --bench tofu")
+    parser.add_argument("--fast", action="store_true", help="the small variant (tests)")
+    parser.add_argument("--tofu-dir", type=Path, help="TOFU JSON files with the hub README (for --data tofu)")
+    parser.add_argument(
+        "--spans", type=Path, help="forget05 span annotations, TPO-style or this project's (for --data tofu)"
+    )
+    parser.add_argument("--run", help="results/<run>/ (default: the experiment, the data name, '-fast')")
+    parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv, experiment: str):
+    """Parse; the spans default for --data tofu; `args.size`: full or fast; `args.run_dir`: results/<--run>,
+    by default results/<experiment>[-<data>][-fast] (the demo: results/<data>[-fast], its `--bench muse`
+    data named muse)."""
+    args = parser.parse_args(argv)
+    if args.data == "tofu":
+        if not args.tofu_dir:
+            parser.error("--data tofu needs --tofu-dir (DATA=tofu TOFU_DIR=...)")
+        args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
+    args.size = "fast" if args.fast else "full"
+    data = "muse" if getattr(args, "bench", "tofu") == "muse" else args.data
+    name = "-".join(part for part in (experiment, "" if experiment and data == "synthetic" else data) if part)
+    args.run_dir = args.results / (args.run or name + ("-fast" if args.fast else ""))
+    return args

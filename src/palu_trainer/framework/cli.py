@@ -1,0 +1,152 @@
+"""`palu-train` and `palu-eval`: open-unlearning's own `train.py`/`eval.py` `main` under a Hydra app that
+first registers PALU, refuses command-line and config mistakes and points hub dataset loads at local
+mirrors (`TOFU_DIR`, `MUSE_DIR`).
+"""
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
+from palu_trainer.framework.patches import checking_data, checking_vocabulary, resuming
+from palu_trainer.framework.registry import register
+from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
+
+logger = logging.getLogger(__name__)
+
+USAGE = """usage: {prog} [--config-name=NAME] [key=value ...]   (Hydra overrides of open-unlearning's configs)
+
+  open-unlearning's src/{script}.py with PALU registered and this plugin's configs/ on the search path.
+
+PALU on TOFU (palu-train --config-name=unlearn.yaml):
+  experiment=unlearn/tofu/palu        PALU trainer, span-annotated forget set, TOFU evaluation
+  forget_split=forget05 retain_split=retain95 holdout_split=holdout05
+  span_annotations=PATH               span file (default span_annotations/tofu_<forget_split>.jsonl)
+  num_initiating_tokens=3             N: leading tokens of each span that get the local entropy loss
+  min_initiating_tokens=auto          stop before training below this many initiating tokens
+                                      (auto: one per 10 forget rows; 0 allows retain-only training)
+  trainer.method_args.top_k=5000      K;  .kl_weight=1.0 (lambda);  .target=global_mean
+  trainer.method_args.reference_cache=auto   auto | true | false;  .reference_cache_max_gib=4.0 (per rank)
+  +trainer.args.resume_from_checkpoint=DIR   resume (a checkpoint-N folder, or true for the last one)
+Baselines: experiment=unlearn/tofu/default trainer=NPO (SimNPO, GradDiff, ...)
+Machine and data:
+  +runtime=cpu                        required without CUDA (adamw_torch, fp32, no bf16, warm-up ratio)
+  model=tiny-llama                    small local models (set model.*_args.pretrained_model_name_or_path)
+  TOFU_DIR=/path/to/tofu              environment variable: read locuslab/TOFU from a local mirror
+Full help: {prog} --help-full (Hydra's help and every default), {prog} ... --cfg job (the composed config).
+"""
+
+
+def usage(prog: str, script: str) -> str:
+    """The short `--help` of palu-train/palu-eval."""
+    return USAGE.format(prog=prog, script=script)
+
+
+def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv) -> None:
+    """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    from palu_trainer.framework.checks import argv_problem, config_problems
+
+    problem = argv_problem(argv)
+    if problem:
+        sys.exit(f"{prog}: {problem}")
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return  # Hydra reports it
+    if args.cfg or args.info or args.multirun or args.shell_completion or args.help or args.hydra_help:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = compose(args.config_name or config_name, overrides=args.overrides, return_hydra_config=True)
+        problems = config_problems(cfg, script)
+    except Exception:  # noqa: BLE001 (a config Hydra cannot compose: Hydra's own run reports it)
+        return
+    if problems:
+        sys.exit("\n".join(f"{prog}: {problem}" for problem in problems))
+
+
+def run_framework_script(script: str, config_name: str) -> None:
+    """Run the framework's `script` (train | eval) on `sys.argv` with `config_name`, as its entry point."""
+    import hydra
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    prog = Path(sys.argv[0]).name
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage(prog, script), end="")
+        return
+    sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
+    from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
+
+    src = ensure_importable()
+    register()
+    precheck(prog, script, config_name, src.parent / "configs", sys.argv[1:])
+    from palu_trainer.framework.checks import (
+        ALLOW_OTHER_DATA,
+        BadInput,
+        cpu_runtime_missing,
+        mid_epoch_warning,
+    )
+
+    module = importlib.import_module(script)
+    framework_main = module.main.__wrapped__
+    load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
+    get_model, get_data = module.get_model, getattr(module, "get_data", None)
+
+    @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
+    def main(cfg):
+        runtime = HydraConfig.get().runtime.choices.get("runtime")
+        problem = cpu_runtime_missing(runtime, torch.cuda.is_available())
+        if problem:
+            sys.exit(f"{prog}: {problem}")
+        try:
+            for line in redirect_to_local_mirrors(cfg):
+                logger.info("local dataset mirror: %s", line)
+        except FileNotFoundError as error:
+            sys.exit(f"{prog}: {error}")
+        module.get_model = checking_vocabulary(get_model)
+        if load_trainer is not None:
+            args = cfg.trainer.args
+            try:
+                checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
+            except (FileNotFoundError, ValueError) as error:
+                sys.exit(f"{prog}: {error}")
+            problem = resumed_model_problem(
+                checkpoint, cfg.model.model_args.get("pretrained_model_name_or_path")
+            )
+            if problem:
+                sys.exit(f"{prog}: {problem}")
+            warning = checkpoint and mid_epoch_warning(checkpoint)
+            if warning:
+                logger.warning(warning)
+            module.load_trainer = resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
+                module.load_trainer = with_run_stats(module.load_trainer)
+            module.get_data = checking_data(get_data, cfg)
+        try:
+            framework_main(cfg)
+        except BadInput as error:
+            sys.exit(f"{prog}: {error}")
+        except Exception as error:
+            hint = hub_hint(error)
+            if hint:
+                sys.exit(f"{prog}: {hint}")
+            raise
+
+    main()
+
+
+def train_main() -> None:
+    """`palu-train`: open-unlearning's train.py, with PALU registered and its configs visible."""
+    run_framework_script("train", "train.yaml")
+
+
+def eval_main() -> None:
+    """`palu-eval`: open-unlearning's eval.py, likewise."""
+    run_framework_script("eval", "eval.yaml")

@@ -1,0 +1,87 @@
+"""The framework's loaders wrapped by palu-train: its train.py's `load_trainer`, `get_model` and `get_data`
+with this plugin's checks, resuming and stale-weight removal around them."""
+
+import functools
+import logging
+
+from palu_trainer.framework.stale_weights import remove_stale_weights
+from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = False):
+    """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
+
+    Its checkpoints record the run's data (`checks.RunDataCallback`); resuming on other data is refused.
+    Before training, an earlier run's final weights leave the output folder (`stale_weights`).
+    """
+    from palu_trainer.framework.checks import BadInput, RunDataCallback, resume_data_problem, run_data
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        trainer, trainer_args = load_trainer(*args, **kwargs)
+        record = run_data(trainer.train_dataset)
+        if checkpoint is not None:
+            error, warning = resume_data_problem(checkpoint, record)
+            if error and not allow_other_data:
+                raise BadInput(error)
+            if warning or error:
+                logger.warning(warning or error)
+        trainer.add_callback(RunDataCallback(record))
+        if trainer_args.do_train:
+            removed = remove_stale_weights(trainer_args.output_dir)
+            if removed:
+                logger.warning(
+                    "removed an earlier run's final weights from %s: %s", trainer_args.output_dir, removed
+                )
+        if checkpoint is not None:
+            logger.info("resuming from %s", checkpoint)
+            allow_numpy_rng_state()
+            trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
+        return trainer, trainer_args
+
+    return load
+
+
+def checking_vocabulary(get_model):
+    """The framework's `get_model`, refusing a tokenizer that does not fit the model's vocabulary."""
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.framework.vocabulary import model_vocab_size, vocabulary_mismatch
+
+    @functools.wraps(get_model)
+    def load(model_cfg, *args, **kwargs):
+        model, tokenizer = get_model(model_cfg, *args, **kwargs)
+        names = [getattr(loaded, "name_or_path", "") for loaded in (tokenizer, model)]
+        error, warning = vocabulary_mismatch(len(tokenizer), model_vocab_size(model), *names)
+        if error:
+            raise BadInput(error)
+        if warning:
+            logger.warning(warning)
+        return model, tokenizer
+
+    return load
+
+
+def checking_data(get_data, cfg):
+    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed).
+
+    A bad span file (AnnotationError: file, row and fix named) ends the run with its message alone.
+    """
+    from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
+    from palu_trainer.spans.format import AnnotationError
+
+    @functools.wraps(get_data)
+    def load(*args, **kwargs):
+        try:
+            data = get_data(*args, **kwargs)
+        except AnnotationError as error:
+            raise BadInput(str(error)) from None
+        problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
+        if problem and not cfg.get(ALLOW_OVERLAP, False):
+            raise BadInput(problem)
+        if problem:
+            logger.warning("%s=true: %s", ALLOW_OVERLAP, problem)
+        return data
+
+    return load
