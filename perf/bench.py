@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from palu_trainer.experiments.methods import METHODS
+from palu_trainer.experiments.methods import BENCH_BASELINES, METHODS
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.trainer_config import trainer_config
@@ -44,8 +44,6 @@ from data.unlearn import ForgetRetainDataset  # noqa: E402
 from trainer import TRAINER_REGISTRY  # noqa: E402
 
 from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
-
-BASELINES = ("GradDiff", "NPO")  # the ratios' denominators
 
 
 def bench_runs(top_k) -> dict[str, tuple[str, dict, bool]]:
@@ -391,12 +389,12 @@ def bench_config(name, config, args, device, out_dir):
     for label in runs:
         result = {"step_s": summary(rounds[label]), "round_step_s": rounds[label]}
         result["host_cache_bytes"] = cache_bytes[label]
-        for base in BASELINES:
+        for base in BENCH_BASELINES:
             result[f"step_vs_{base}"] = summary([t / b for t, b in zip(rounds[label], rounds[base])])
         if args.memory_repeats:
             result["peak_memory_bytes"] = statistics.median(memory[label])
             result["peak_memory_repeats"] = memory[label]
-            for base in BASELINES:
+            for base in BENCH_BASELINES:
                 result[f"memory_vs_{base}"] = result["peak_memory_bytes"] / statistics.median(memory[base])
         methods[label] = result
     return {
@@ -419,9 +417,9 @@ def print_table(report, memory_kind):
         memory = ["-", "-", "-"]
         if "peak_memory_bytes" in result:
             memory = [f"{result['peak_memory_bytes'] / 2**20:.0f}"]
-            memory += [f"{result[f'memory_vs_{base}']:.2f}" for base in BASELINES]
+            memory += [f"{result[f'memory_vs_{base}']:.2f}" for base in BENCH_BASELINES]
         cells = [name, f"{result['step_s']['median']:.3f}"]
-        cells += [ratio_text(result[f"step_vs_{base}"]) for base in BASELINES]
+        cells += [ratio_text(result[f"step_vs_{base}"]) for base in BENCH_BASELINES]
         cells += [*memory, f"{result['host_cache_bytes'] / 2**20:.1f}"]
         print("| " + " | ".join(cells) + " |")
 

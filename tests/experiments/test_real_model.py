@@ -185,7 +185,7 @@ def test_palu_trains_the_real_model_on_real_tofu_rows(fast_run, smollm2_dir):
         assert 0.5 < entry["retain_loss"] < 6
     # step 1's model is the reference: KL(P_ref || P_theta) is 0 up to float32 rounding (|V| = 49152,
     # logits up to ~40: the probabilities sum to 1 within ~1e-5, which the logsumexp term multiplies)
-    assert abs(steps[0]["kl_loss"]) < 1e-3
+    assert abs(steps[0]["kl_loss"]) < 1e-5  # against itself; logged to 4 decimals (was -0.0001)
     assert "top_k=0.15625: K=7680 of |V|=49152" in output  # the paper's share of Llama-2's vocabulary
     assert f"reference cache: {ROWS} forget rows" in output
     before, after = load_file(smollm2_dir / "model.safetensors"), load_file(run / "model.safetensors")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS
+from palu_trainer.experiments.methods import CONVERGENCE_METHODS, METHODS
 from palu_trainer.experiments.miniature import (
     TOFU_SIZES,
     add_arguments,
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         prog="python -m palu_trainer.experiments.convergence", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=["PALU", "NPO"])
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(CONVERGENCE_METHODS))
     parser.add_argument("--lr", type=float, default=1e-3, help="every method's learning rate")
     parser.add_argument("--epochs", type=int, help="default: the size's unlearning epochs (10; FAST 5)")
     args = parse_arguments(parser, argv, "convergence")

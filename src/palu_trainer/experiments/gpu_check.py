@@ -35,6 +35,7 @@ from safetensors import safe_open
 
 from palu_trainer.benchmarks.hf_dir import read_configs, read_jsonl, write_configs_readme, write_jsonl
 from palu_trainer.experiments.benchmark_facts import TOFU
+from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem, free_port
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.accelerate_config import write_accelerate_config
@@ -93,8 +94,7 @@ CPU_SIZE = CheckSize(
 RUNS = {
     "PALU cache on": ("PALU", ("trainer.method_args.reference_cache=true",)),
     "PALU cache off": ("PALU", ("trainer.method_args.reference_cache=false",)),
-    "TPO": ("TPO", ()),
-    "NPO": ("NPO", ()),
+    **{name: (name, ()) for name in GPU_CHECK_BASELINES},
 }
 EVALUATED = "PALU cache on"
 EVAL_METRICS = ("model_utility", "forget_Q_A_ROUGE", "forget_Q_A_Prob", "forget_truth_ratio", "privleak")

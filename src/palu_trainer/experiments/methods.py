@@ -124,6 +124,13 @@ METHODS: dict[str, Method] = {
 }
 
 
+# The methods each measurement puts beside PALU, besides the side-by-side: the bench's ratio denominators, the
+# paper's Figure 5 (convergence), and the baselines `make gpu-check` runs on a GPU.
+BENCH_BASELINES = ("GradDiff", "NPO")
+CONVERGENCE_METHODS = ("PALU", "NPO")
+GPU_CHECK_BASELINES = ("TPO", "NPO")
+
+
 def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, ...]:
     """The methods a comparison runs by default; `fast`: the demo's FAST subset; `bench`: tofu or muse."""
     return tuple(
