@@ -1,5 +1,7 @@
+import argparse
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,18 @@ def write_jsonl(path: Path, rows) -> Path:
 
 @pytest.fixture(scope="session")
 def fast_results(tmp_path_factory) -> Path:
-    """One results/ folder for the FAST TOFU miniature's tests: its .cache holds Original and Retain and their
-    evaluations, made by whichever test comes first."""
-    return tmp_path_factory.mktemp("results")
+    """One results/ folder for the FAST TOFU miniature's tests. Original and Retain are finetuned and
+    evaluated here, before any of those tests, so each finds them in results/.cache whatever the order."""
+    from palu_trainer.experiments import miniature
+
+    results = tmp_path_factory.mktemp("results")
+    parser = argparse.ArgumentParser()
+    miniature.add_arguments(parser)
+    args = miniature.parse_arguments(
+        parser, ["--fast", "--results", str(results), "--jobs", "2"], "references"
+    )
+    progress = miniature.start_run("tofu", args.data, args.size, args.run_dir, stages=0)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        references = miniature.tofu_miniature(args, progress, pool)
+        references.original_eval.result(), references.retain_eval.result()
+    return results

@@ -1,6 +1,6 @@
 """`make ablation` and `make convergence` on the FAST miniature: a two-point sweep and a two-epoch curve.
 
-Both share the session's FAST results folder with the demo's test, so Original and Retain are made once.
+Both use the session's FAST results folder (conftest), whose Original and Retain are made before them.
 """
 
 import json
