@@ -14,8 +14,8 @@ every forget row through the trainer's own forward and output projection.
 
 1. Tail mass: at every common position, r = P_ref's mass outside its m most probable entries, for each m,
    as the cache's `common_targets` computes it.
-2. The KL the coarsening drops (m = the trainer's reference_cache_top_m, 512): the top-m KL (`_KLFromTopM`,
-   what training minimises) against the full-vocabulary KL (`_KLFromReference`), both
+2. The KL the coarsening drops, for m = the trainer's reference_cache_top_m (512) and larger m: the top-m KL
+   (`_KLFromTopM`, what training minimises) against the full-vocabulary KL (`_KLFromReference`), both
    KL(P_ref || P_theta) in float64 (so that the float32 floor of ~1e-4 on this model does not hide the
    difference), and the gradient's L1 error, for policies near the reference: the reference itself (step 0),
    the reference's logits plus Gaussian noise, and the model after PALU steps that use the cache built here.
@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import smollm2_dir  # noqa: E402
 
 TOP_MS = (64, 128, 256, 512, 1024, 4096)
+KL_TOP_MS = (512, 1024, 4096)
 NOISE_SIGMAS = (0.1, 0.3, 1.0)
 # float64 rounding of a KL over 49152 entries of logits up to ~40: a mean KL below this is 0
 ROUNDING = 1e-10
@@ -138,7 +139,8 @@ class ReferencePass:
     final hidden states at the common positions (the reference logits later, from the step-0 projection).
 
     final_hidden(inputs) -> (B, T, d); project (n, d) -> (n, V): the trainer's own (`_final_hidden`,
-    `_output_projection`); top_k, kl_direction, top_m, chunk_rows: its settings.
+    `_output_projection`); top_k, kl_direction, top_m, chunk_rows: its settings. kl_top_ms: the m whose
+    KLs the noise perturbations measure (default: top_m).
     """
 
     def __init__(
@@ -151,14 +153,16 @@ class ReferencePass:
         chunk_rows: int | None = None,
         top_ms: Iterable[int] = TOP_MS,
         noise_sigmas: Iterable[float] = NOISE_SIGMAS,
+        kl_top_ms: Iterable[int] | None = None,
         seed: int = 0,
     ):
         self.final_hidden, self.project = final_hidden, project
         self.top_k, self.top_m, self.kl_direction, self.chunk_rows = top_k, top_m, kl_direction, chunk_rows
         self.top_ms, self.noise_sigmas = tuple(top_ms), tuple(noise_sigmas)
+        self.kl_top_ms = tuple(kl_top_ms or (top_m,))
         self.generator = torch.Generator().manual_seed(seed)
         self.tails = {m: [] for m in self.top_ms}
-        self.noise = {sigma: [] for sigma in self.noise_sigmas}
+        self.noise = {(sigma, m): [] for sigma in self.noise_sigmas for m in self.kl_top_ms}
         self.common_hidden, self.counts = [], {"initiating": 0, "common": 0}
 
     def batch_targets(self, batch: dict):
@@ -175,9 +179,8 @@ class ReferencePass:
                 self.tails[m].append(tail)
             for sigma in self.noise_sigmas:
                 noise = torch.randn(logits.shape, generator=self.generator, dtype=torch.float64)
-                self.noise[sigma].append(
-                    kl_full_and_top_m(logits.double() + sigma * noise, logits, self.top_m)
-                )
+                for m in self.kl_top_ms:
+                    self.noise[sigma, m].append(kl_full_and_top_m(logits.double() + sigma * noise, logits, m))
             return reference_targets_at_positions(
                 hidden, self.project, roles, self.top_k, self.kl_direction, self.top_m, self.chunk_rows
             )
@@ -186,10 +189,13 @@ class ReferencePass:
         return {m: distribution(torch.cat(parts)) for m, parts in self.tails.items()}
 
 
-def policy_kls(final_hidden, project, reference_project, batches, reference_hidden, cache, top_m) -> dict:
-    """The KLs of the current policy against the reference at every common position of `batches` (the same
-    batches, in the same order, as the reference pass that stored `reference_hidden`)."""
-    parts = []
+def policy_kls(
+    final_hidden, project, reference_project, batches, reference_hidden, cache, cache_top_m, top_ms=None
+) -> dict[int, list[dict]]:
+    """m -> the KLs of the current policy against the reference at every common position of `batches` (the
+    same batches, in the same order, as the reference pass that stored `reference_hidden`), for each m of
+    `top_ms` (default: the cache's m, `cache_top_m`); at the cache's m also the float32 KL from the cache."""
+    parts = {m: [] for m in top_ms or (cache_top_m,)}
     with torch.no_grad():
         for batch, common_reference in zip(batches, reference_hidden, strict=True):
             roles = batch["token_roles"]
@@ -197,11 +203,12 @@ def policy_kls(final_hidden, project, reference_project, batches, reference_hidd
                 {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             )
             logits = at_least_fp32(project(forget_hidden(hidden, roles)[1]))
-            part = kl_full_and_top_m(logits, at_least_fp32(reference_project(common_reference)), top_m)
-            # what training computes: float32, the cache's own targets
-            cached = cache.targets(batch["index"], roles, logits.device)
-            part["logged_fp32"] = (reference_kl_loss(logits, cached) * len(logits)).reshape(1)
-            parts.append(part)
+            reference_logits = at_least_fp32(reference_project(common_reference))
+            for m, kls in parts.items():
+                kls.append(kl_full_and_top_m(logits, reference_logits, m))
+                if m == cache_top_m:  # what training computes: float32, the cache's own targets
+                    cached = cache.targets(batch["index"], roles, logits.device)
+                    kls[-1]["logged_fp32"] = (reference_kl_loss(logits, cached) * len(logits)).reshape(1)
     return parts
 
 
@@ -306,6 +313,7 @@ def measure_split(model_dir: Path, forget_split: str, args, out_dir: Path) -> di
         trainer.logit_chunk_rows,
         args.top_ms,
         args.noise_sigmas if forget_split == args.kl_split else (),
+        args.kl_top_ms,
     )
     started = time.perf_counter()
     cache = build_reference_cache(reference.batch_targets, batches, trainer.reference_cache_dtype)
@@ -324,7 +332,7 @@ def measure_split(model_dir: Path, forget_split: str, args, out_dir: Path) -> di
     if forget_split != args.kl_split:
         return result
     top_m = trainer.reference_cache_top_m
-    result["kl_top_m"] = top_m
+    result["kl_cache_top_m"] = top_m
     result["kl"] = {}
     # the step-0 output projection (tied: the input embedding, which training changes)
     step0_weight = model.get_output_embeddings().weight.detach().clone()
@@ -344,16 +352,21 @@ def measure_split(model_dir: Path, forget_split: str, args, out_dir: Path) -> di
             reference.common_hidden,
             cache,
             top_m,
+            args.kl_top_ms,
         )
         model.train(was_training)
-        summary = kl_summary(parts)
-        summary["seconds"] = time.perf_counter() - started
+        summary = {m: kl_summary(kls) for m, kls in parts.items()}
         result["kl"][f"PALU after {step} steps" if step else "step 0 (policy = reference)"] = summary
-        print(f"  KL after {step} steps: {json.dumps(summary)}", flush=True)
+        print(
+            f"  KL after {step} steps ({time.perf_counter() - started:.0f} s): {json.dumps(summary)}",
+            flush=True,
+        )
 
     measure(0)
     for sigma in reference.noise_sigmas:
-        result["kl"][f"reference + N(0, {sigma}^2) logit noise"] = kl_summary(reference.noise[sigma])
+        result["kl"][f"reference + N(0, {sigma}^2) logit noise"] = {
+            m: kl_summary(reference.noise[sigma, m]) for m in reference.kl_top_ms
+        }
     if args.steps:
         from transformers import TrainerCallback
 
@@ -427,14 +440,15 @@ def print_tables(report: dict) -> None:
             continue
         print(
             f"\nKL(P_ref || P_theta) at {split}'s {result['common']} common positions, full |V| against the "
-            f"top-m form (m={result['kl_top_m']}), float64; mean over positions as the loss takes it\n"
+            f"top-m form, float64 (the cache's m={result['kl_cache_top_m']}: also its float32 KL as training "
+            "logs it); mean over positions as the loss takes it\n"
         )
-        columns = ["policy", "full KL", "top-m KL", "dropped", "dropped / full", "dropped p99", "dropped max"]
-        columns += ["gradient L1 error / full", "top-m KL, fp32 cache (as logged)"]
+        columns = ["policy", "m", "full KL", "top-m KL", "dropped", "dropped / full", "dropped p99"]
+        columns += ["dropped max", "gradient L1 error / full", "top-m KL, fp32 cache (as logged)"]
         print("| " + " | ".join(columns) + " |\n" + "| --- " * len(columns) + "|")
-        for name, kl in result["kl"].items():
+        for name, m, kl in ((name, m, kl) for name, by_m in result["kl"].items() for m, kl in by_m.items()):
             shares = [kl[key] for key in ("dropped_share", "gradient_l1_error_share")]
-            cells = [name, f"{kl['full_kl']:.3e}", f"{kl['top_m_kl']:.3e}", f"{kl['dropped']:.2e}"]
+            cells = [name, str(m), f"{kl['full_kl']:.3e}", f"{kl['top_m_kl']:.3e}", f"{kl['dropped']:.2e}"]
             cells += ["-" if shares[0] is None else f"{shares[0]:.2e}"]
             cells += [f"{kl['dropped_distribution'][key]:.2e}" for key in ("p99", "max")]
             cells += ["-" if shares[1] is None else f"{shares[1]:.2e}"]
@@ -449,6 +463,9 @@ def main(argv=None):
     parser.add_argument("--kl-split", default="forget05", help="the split whose KLs are measured")
     parser.add_argument("--top-ms", type=int, nargs="+", default=list(TOP_MS))
     parser.add_argument("--noise-sigmas", type=float, nargs="+", default=list(NOISE_SIGMAS))
+    parser.add_argument(
+        "--kl-top-ms", type=int, nargs="+", default=list(KL_TOP_MS), help="m whose KL error is measured"
+    )
     parser.add_argument(
         "--steps", type=int, nargs="*", default=[5, 20], help="PALU steps after which the KLs are measured"
     )

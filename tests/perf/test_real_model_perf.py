@@ -129,6 +129,7 @@ def test_the_reference_pass_reads_the_common_positions_of_a_tiny_llama(tail):
         top_m=16,
         top_ms=top_ms,
         noise_sigmas=(0.3,),
+        kl_top_ms=(16, vocab),
     )
     cache = build_reference_cache(reference.batch_targets, batches)
     common = []
@@ -150,23 +151,26 @@ def test_the_reference_pass_reads_the_common_positions_of_a_tiny_llama(tail):
     torch.testing.assert_close(
         torch.cat(reference.common_hidden) @ model.lm_head.weight.T, common, atol=1e-4, rtol=1e-5
     )
-    noise = tail.kl_summary(reference.noise[0.3])
+    noise = tail.kl_summary(reference.noise[0.3, 16])
     assert noise["positions"] == len(common) and noise["full_kl"] > noise["top_m_kl"] > 0
+    exact = tail.kl_summary(reference.noise[0.3, vocab])  # m = |V|: nothing dropped
+    assert exact["full_kl"] == pytest.approx(noise["full_kl"]) and abs(exact["dropped"]) < 1e-12
     # the policy pass: the reference itself gives 0, a changed output layer the direct KL
     step0 = model.lm_head.weight.detach().clone()
 
     def policy(project):
-        return tail.kl_summary(
-            tail.policy_kls(
-                lambda inputs: model(**inputs, output_hidden_states=True).hidden_states[-1],
-                project,
-                lambda hidden: hidden @ step0.T,
-                batches,
-                reference.common_hidden,
-                cache,
-                16,
-            )
+        parts = tail.policy_kls(
+            lambda inputs: model(**inputs, output_hidden_states=True).hidden_states[-1],
+            project,
+            lambda hidden: hidden @ step0.T,
+            batches,
+            reference.common_hidden,
+            cache,
+            16,
+            (4, 16),
         )
+        assert "logged_fp32" in parts[16][0] and "logged_fp32" not in parts[4][0]  # the cache's m only
+        return tail.kl_summary(parts[16])
 
     unchanged = policy(model.lm_head)
     assert abs(unchanged["full_kl"]) < 1e-10 and abs(unchanged["top_m_kl"]) < 1e-10
