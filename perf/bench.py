@@ -4,8 +4,9 @@ Run with `make bench`. Each method runs with its trainer config's stock `method_
 variants: PALU with the reference model and with the reference cache), on the same batches, on the preset
 `llama-1b-share` (V=128256, 16 layers and a body sized so that the output projection takes Llama-3.2-1B's
 share of a step's matmul FLOPs, gradient checkpointing on for every method; `targets` are checked there) or,
-with `--preset small`, the former bench model (V=32000). Also times PALU's loss alone against K on a 128k
-vocabulary.
+with `--preset small`, the former bench model (V=32000), or, with `--preset smollm2`, the real
+SmolLM2-135M-Instruct that `make smollm2` converts (its pretrained weights, dequantised from 4 bits: V=49152,
+tied, 30 layers). Also times PALU's loss alone against K on a 128k vocabulary.
 
 Step time: methods run round-robin, `--steps-per-round` steps each per round, on one shared model and
 optimizer, so machine noise lands on every method of a round alike; a method's per-round time is the median
@@ -32,6 +33,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from palu_trainer.experiments.methods import BENCH_BASELINES, METHODS
+from palu_trainer.experiments.smollm2 import VOCAB_SIZE, default_dir, read_marker
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.trainer_config import trainer_config
@@ -206,6 +208,24 @@ PRESETS = {
         "prompt_length": 55,
         "answer_lengths": (25, 65),
     },
+    # The real SmolLM2-135M-Instruct (`make smollm2`): its own weights and shapes, loaded from the converted
+    # folder (the sizes below are its config's, checked on load). TOFU's rows in its chatml template with
+    # the system prompt: prompts of 40-70 tokens (48 on average over forget05), answers of 13-72 (38);
+    # batch 2 as llama-1b-share; no gradient checkpointing, as the framework's stock finetune config.
+    "smollm2": {
+        "pretrained": "SmolLM2-135M-Instruct",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 576,
+        "layers": 30,
+        "intermediate_size": 1536,
+        "heads": 9,
+        "kv_heads": 3,
+        "tie_word_embeddings": True,
+        "gradient_checkpointing": False,
+        "batch_size": 2,
+        "prompt_length": 48,
+        "answer_lengths": (20, 60),
+    },
 }
 TARGETS_PRESET = "llama-1b-share"
 BATCHES = 4  # distinct batches the timed steps cycle through (every method sees the same in a round)
@@ -225,10 +245,49 @@ def llama_config(config: dict) -> LlamaConfig:
     )
 
 
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (SMOLLM2_DIR or the default); else exit saying how."""
+    path = default_dir()
+    if read_marker(path) is None:
+        raise SystemExit(
+            f"SmolLM2-135M-Instruct is not converted at {path} (no complete folder with its "
+            "palu-conversion.json): run `make smollm2` (or `make setup`), or point SMOLLM2_DIR at the folder"
+        )
+    return path
+
+
+def with_model_dir(config: dict) -> dict:
+    """A preset with its pretrained folder resolved (`model_dir`), so that memory processes load the same."""
+    if not config.get("pretrained") or config.get("model_dir"):
+        return config
+    return {**config, "model_dir": str(smollm2_dir())}
+
+
 def build_model(config: dict, device: str) -> LlamaForCausalLM:
-    """The bench model, the same initial weights every time; gradient checkpointing as the config says."""
+    """The bench model, the same initial weights every time (a pretrained preset's own, else a seeded random
+    init); gradient checkpointing as the config says."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(config)).to(device)
+    if config.get("pretrained"):
+        model = LlamaForCausalLM.from_pretrained(
+            config["model_dir"], torch_dtype=torch.float32, attn_implementation="sdpa"
+        ).to(device)
+        model.config.use_cache = False
+        loaded = {
+            "vocab_size": model.config.vocab_size,
+            "hidden_size": model.config.hidden_size,
+            "layers": model.config.num_hidden_layers,
+            "intermediate_size": model.config.intermediate_size,
+            "heads": model.config.num_attention_heads,
+            "kv_heads": model.config.num_key_value_heads,
+            "tie_word_embeddings": model.config.tie_word_embeddings,
+        }
+        differing = {key: (config[key], value) for key, value in loaded.items() if config[key] != value}
+        if differing or model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+            raise RuntimeError(
+                f"{config['model_dir']} is not the preset's model: (preset, folder) {differing}"
+            )
+    else:
+        model = LlamaForCausalLM(llama_config(config)).to(device)
     if config["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -360,12 +419,16 @@ def summary(values):
 def bench_config(name, config, args, device, out_dir):
     runs = bench_runs(args.top_k)
     share = projection_share(config)
-    parameters = sum(p.numel() for p in LlamaForCausalLM(llama_config(config)).parameters())
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in LlamaForCausalLM(llama_config(config)).parameters())
     shortest, longest = config["answer_lengths"]
     checkpointing = "on" if config["gradient_checkpointing"] else "off"
     top_k = args.top_k if args.top_k is not None else "stock (0.15625 of |V|)"
+    weights = (
+        f", pretrained {config['pretrained']} from {config['model_dir']}" if config.get("pretrained") else ""
+    )
     print(
-        f"\n## {name}: {parameters / 1e6:.1f}M parameters (V={config['vocab_size']}, hidden "
+        f"\n## {name}: {parameters / 1e6:.1f}M parameters{weights} (V={config['vocab_size']}, hidden "
         f"{config['hidden_size']}, {config['layers']} layers, MLP {config['intermediate_size']}, "
         f"{config['heads']}/{config['kv_heads']} heads, tied={config['tie_word_embeddings']});"
         f" output projection {share:.2%} of a step's matmul FLOPs; batch {config['batch_size']} rows of "
@@ -491,7 +554,7 @@ def run(args):
         config["heads"] = config["kv_heads"] = max(1, min(8, config["hidden_size"] // 8))
         configs = {"custom": config}
     else:
-        configs = {name: PRESETS[name] for name in args.preset or [TARGETS_PRESET]}
+        configs = {name: with_model_dir(PRESETS[name]) for name in args.preset or [TARGETS_PRESET]}
     memory_kind = "cuda max_memory_allocated" if device == "cuda" else "peak RSS above imports"
     print(
         f"device={device} threads={torch.get_num_threads()}; Llama-3.2-1B: output projection "
