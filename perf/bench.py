@@ -578,14 +578,18 @@ def run(args):
         print("| K | local (ms) | local + KL (ms) |\n| --- | --- | --- |")
         for k, timing in top_k["by_k"].items():
             print(f"| {k} | {timing['local_ms']:.1f} | {timing['local_plus_kl_ms']:.1f} |")
-    checked = TARGETS_PRESET if TARGETS_PRESET in reports else next(iter(reports))
-    met = targets(reports[checked])
-    print(f"\ntargets on {checked}:")
-    print(
-        "\n".join(
-            f"{'met   ' if ok else 'MISSED'} {target}: {value:.2f}" for target, (ok, value) in met.items()
+    # The targets were set for the 128k-vocabulary model with checkpointing; elsewhere a MISSED line would
+    # read as a regression when the shapes alone differ.
+    met = targets(reports[TARGETS_PRESET]) if TARGETS_PRESET in reports else {}
+    if met:
+        print(f"\ntargets on {TARGETS_PRESET}:")
+        print(
+            "\n".join(
+                f"{'met   ' if ok else 'MISSED'} {target}: {value:.2f}" for target, (ok, value) in met.items()
+            )
         )
-    )
+    else:
+        print(f"\ntargets: set for --preset {TARGETS_PRESET} only, not checked on {', '.join(reports)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "device": device,
@@ -595,7 +599,7 @@ def run(args):
         "args": vars(args),
         "configs": reports,
         "top_k_loss": top_k,
-        "targets": {checked: {target: {"met": ok, "value": value} for target, (ok, value) in met.items()}},
+        "targets": {target: {"met": ok, "value": value} for target, (ok, value) in met.items()},
     }
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out}")
