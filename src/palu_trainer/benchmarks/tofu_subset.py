@@ -92,7 +92,10 @@ def make_tofu_subset(
     beside them as `span_annotations/<label>.jsonl`, for the same forget rows.
     """
     full = read_jsonl(source_dir / "full.json")
-    forget05, retain = author_rows(full, FORGET05_AUTHORS), pick(full, layout.positions(layout.retain_authors))
+    forget05, retain = (
+        author_rows(full, FORGET05_AUTHORS),
+        pick(full, layout.positions(layout.retain_authors)),
+    )
     forget05_perturbed = read_jsonl(source_dir / "forget05_perturbed.json")
     if [row["question"] for row in forget05_perturbed] != [row["question"] for row in forget05]:
         raise ValueError(f"{source_dir}: forget05 is not authors 190-199 of full.json")

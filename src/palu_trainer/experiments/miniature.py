@@ -26,9 +26,8 @@ from palu_trainer.benchmarks.muse_subset import make_muse_subset
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
-from palu_trainer.experiments import report
+from palu_trainer.experiments import report, smollm2
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
-from palu_trainer.experiments import smollm2
 from palu_trainer.experiments.methods import METHODS
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
@@ -343,7 +342,9 @@ class Stages:
         """The model config and precision of the size (a real model's: `model=<config>`, bf16)."""
         overrides = [f"model={self.size.model_config}"]
         if self.size.bf16:
-            overrides.append("trainer.args.bf16=true" if training else "model.model_args.torch_dtype=bfloat16")
+            overrides.append(
+                "trainer.args.bf16=true" if training else "model.model_args.torch_dtype=bfloat16"
+            )
         return overrides
 
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
@@ -452,7 +453,6 @@ class Stages:
         seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
         self.progress.stage(f"unlearn {name}", seconds)
         return out_dir, seconds
-
 
     def unlearn_cached(
         self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None, spans=None
@@ -634,9 +634,9 @@ def tofu_miniature(args: argparse.Namespace, progress: Progress, pool) -> Miniat
     ]
     if not isinstance(size, RealTofuSize):
         notes.append(
-            "Stock MU is the harmonic mean of nine parts, six on real-author and world-fact questions that a "
-            "model trained from scratch cannot answer: one part near 0 collapses it, so it is ≈ 0 (and noise) "
-            "for these models."
+            "Stock MU is the harmonic mean of nine parts, six on real-author and world-fact questions that "
+            "a model trained from scratch cannot answer: one part near 0 collapses it, so it is ≈ 0 (and "
+            "noise) for these models."
         )
     if args.data == "synthetic":
         notes.append(
@@ -682,7 +682,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=("tiny", *REAL_MODELS),
         default="tiny",
-        help="tiny: a tokenizer and Llama from scratch; smollm2: SmolLM2-135M-Instruct on real TOFU (--data tofu)",
+        help="tiny: a tokenizer and Llama from scratch; smollm2: SmolLM2-135M-Instruct on real TOFU",
     )
 
 

@@ -27,7 +27,7 @@ import numpy
 from scipy.stats import ks_2samp
 
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import METHODS, tuning_grid
+from palu_trainer.experiments.methods import tuning_grid
 from palu_trainer.experiments.miniature import (
     TOFU_SIZES,
     Miniature,
@@ -137,8 +137,9 @@ def fq_resolution(rows: int) -> str:
     largest = max(range(len(steps)), key=steps.__getitem__)
     shown = ", ".join(f"{value:.3g}" for value in ladder[:12])
     return (
-        f"FQ is the KS p-value of {rows} forget truth ratios against Retain's {rows}: the statistic D moves in "
-        f"steps of 1/{rows}, so FQ takes only {rows + 1} values, {shown}, … (D = 0, 1/{rows}, 2/{rows}, …). "
+        f"FQ is the KS p-value of {rows} forget truth ratios against Retain's {rows}: the statistic D moves "
+        f"in steps of 1/{rows}, so FQ takes only {rows + 1} values, {shown}, … "
+        f"(D = 0, 1/{rows}, 2/{rows}, …). "
         f"The smallest change FQ can show is one step of D; the largest such step is "
         f"{ladder[largest]:.3g} → {ladder[largest + 1]:.3g} (D = {largest}/{rows} → {largest + 1}/{rows})."
     )
@@ -209,14 +210,16 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, size_name: str, jobs:
         f"real-model experiment, size {size_name}: {size.model_config}, "
         f"{'bf16 (training under autocast, evaluation in bf16)' if size.bf16 else 'fp32'}",
         f"data: forget05 authors {layout.forget_authors.start}-{layout.forget_authors.stop - 1} "
-        f"({layout.forget_rows} forget rows), {len(layout.retain_authors)} retain authors ({retain_rows} rows), "
+        f"({layout.forget_rows} forget rows), {len(layout.retain_authors)} retain authors "
+        f"({retain_rows} rows), "
         f"holdout authors {layout.holdout_authors.start}-{layout.holdout_authors.stop - 1}, "
         f"evaluation-only sets capped at {layout.eval_rows} rows, {size.eval_max_new_tokens} new tokens",
         fq_resolution(layout.forget_rows),
         f"finetune Original (full, {layout.forget_rows + retain_rows} rows) and Retain (retain_subset, "
         f"{retain_rows} rows): {size.finetune_epochs} epochs, lr {size.finetune_learning_rate:g}, "
         f"batch {size.finetune_batch_size}, seed {size.seeds[0]}; then both evaluated",
-        f"unlearning: {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}; seeds {list(size.seeds)}",
+        f"unlearning: {size.unlearn_epochs} epochs, batch {size.unlearn_batch_size}; "
+        f"seeds {list(size.seeds)}",
         f"tuning on seed {size.seeds[0]} ({len(tuning_runs(methods, size))} runs):",
         *(f"  {run.name}" for run in tuning_runs(methods, size)),
         f"then ({seed_run_count(methods, size.seeds)} runs; <setting> = the method's selected one):",
@@ -265,14 +268,13 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
         verdict += " at lower utility"
     difference = fq_a.mean - fq_b.mean
     spread = max(fq_a.high - fq_a.low, fq_b.high - fq_b.low)
-    against = f"{abs(difference) / spread:.1f}x the larger seed range ({spread:.3g})" if spread > 0 else "no spread"
-    utility = (
-        f"MU {mu_a.format('{:.3f}')} vs {mu_b.format('{:.3f}')}: "
-        + (
-            "equal within the seed ranges"
-            if mu_a.overlaps(mu_b)
-            else f"{'lower' if lower_utility else 'higher'} by {abs(mu_a.mean - mu_b.mean):.3f}"
-        )
+    against = (
+        f"{abs(difference) / spread:.1f}x the larger seed range ({spread:.3g})" if spread > 0 else "no spread"
+    )
+    utility = f"MU {mu_a.format('{:.3f}')} vs {mu_b.format('{:.3f}')}: " + (
+        "equal within the seed ranges"
+        if mu_a.overlaps(mu_b)
+        else f"{'lower' if lower_utility else 'higher'} by {abs(mu_a.mean - mu_b.mean):.3f}"
     )
     sentence = (
         f"{first} vs {second}: FQ {fq_a.format()} vs {fq_b.format()}, mean difference {difference:+.3g} = "
@@ -281,7 +283,9 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
     return verdict, sentence
 
 
-def reading(rows: Mapping[str, Mapping[str, Spread | None]], baselines: Sequence[str] = BASELINES) -> list[str]:
+def reading(
+    rows: Mapping[str, Mapping[str, Spread | None]], baselines: Sequence[str] = BASELINES
+) -> list[str]:
     """The report's reading, computed from the rows' spreads over seeds: does PALU's FQ beat each baseline's
     at equal utility, and by how much against the spread; do GPT-4o's spans and the reference model change
     PALU's."""
@@ -369,7 +373,9 @@ def write_report(
     spreads |= {name: aggregate(runs) for name, runs in rows.items()}
     lines = reading(spreads)
     tuning_rows = {
-        f"{method} ({report.format_params(run.params)})": run for method, runs in tuning.items() for run in runs
+        f"{method} ({report.format_params(run.params)})": run
+        for method, runs in tuning.items()
+        for run in runs
     }
     markdown = [
         "# PALU vs stock unlearning methods on a real model: SmolLM2-135M-Instruct (dequantised from 4 bits)",
@@ -409,7 +415,10 @@ def write_report(
     paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
     summary = {
         "reading": lines,
-        "rows": {name: {key: asdict(value) if value else None for key, value in s.items()} for name, s in spreads.items()},
+        "rows": {
+            name: {key: asdict(value) if value else None for key, value in s.items()}
+            for name, s in spreads.items()
+        },
         "runs": {name: [vars(run) for run in runs] for name, runs in rows.items()},
         "references": {name: vars(run) for name, run in references.items()},
         "tuning": {method: [vars(run) for run in runs] for method, runs in tuning.items()},
@@ -436,7 +445,9 @@ def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[
         progress.say(line)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = tofu_miniature(args, progress, pool)
-        tuned = dict(zip(tuning, pool.map(lambda run_: unlearn_and_evaluate(mini, run_), tuning), strict=True))
+        tuned = dict(
+            zip(tuning, pool.map(lambda run_: unlearn_and_evaluate(mini, run_), tuning), strict=True)
+        )
         references = mini.references()
         original_utility = references["Original"].metrics[UTILITY] or 0.0
         selected = {}
@@ -446,13 +457,18 @@ def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[
             selected[method] = next(run_ for run_ in runs if tuned[run_] is best)
             progress.say(f"selected {selected[method].name}")
         more = seed_runs(selected, size.seeds)
-        results = {**tuned, **dict(zip(more, pool.map(lambda run_: unlearn_and_evaluate(mini, run_), more), strict=True))}
+        results = {
+            **tuned,
+            **dict(zip(more, pool.map(lambda run_: unlearn_and_evaluate(mini, run_), more), strict=True)),
+        }
     rows: dict[str, list[report.EvaluatedModel]] = {}
     for run_, evaluated in results.items():
         chosen = selected[run_.method]
         if run_.row != run_.method or (run_.params == chosen.params and run_.extra == chosen.extra):
             rows.setdefault(run_.row, []).append(evaluated)
-    tuning_by_method = {method: [tuned[run_] for run_ in tuned if run_.method == method] for method in methods}
+    tuning_by_method = {
+        method: [tuned[run_] for run_ in tuned if run_.method == method] for method in methods
+    }
     layout = size.layout
     from palu_trainer.experiments.demo import tuning_budget
 
