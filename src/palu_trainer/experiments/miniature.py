@@ -111,15 +111,21 @@ TOFU_SIZES = {
 }
 # SmolLM2-135M-Instruct (dequantised from 4 bits; experiments/smollm2.py) on real TOFU, `--model smollm2`
 # (the real-model experiment, experiments/real_model.py). Budget of `smollm2` on the 2-core machine, two
-# framework processes at a time (`--jobs 2`; measured: a bf16-autocast step of 8 x 96 tokens takes ~8 s
-# beside another job, an evaluation of these rows ~EVAL s; real_model.budget computes the same):
-#   Original: 80 rows (2 forget + 2 retain authors) / batch 8 x 10 epochs = 100 steps x 8 s = 13.3 min,
-#     Retain (40 rows, 50 steps, 6.7 min) beside it;                              wall ~14 min
-#   2 reference evaluations                                                         wall ~5 min
-#   26 unlearning runs, each 40 forget rows / batch 8 x 2 epochs = 10 steps of a forget and a retain
-#     batch (2 steps' work, 16 s) + 45 s start = 205 s, and one evaluation (EVAL s):
-#     5 methods x 2 learning rates on seed 0 (tuning) + 5 selected x seeds 1, 2 + PALU on GPT-4o spans and
-#     PALU with the reference model on seeds 0, 1, 2;                             wall 26 x (205 + EVAL) / 2
+# framework processes at a time (`--jobs 2`), from measured costs beside another job: a bf16-autocast
+# training step of 8 x 96 tokens ~8 s; one evaluation of this layout in bf16 ~294 s (forget truth ratios
+# 90 s, forget ROUGE 14 s, retain / real authors / world facts 58 s, the MIA attacks, ES and EM 130 s);
+# a framework process's start ~15 s (more with a reference cache to build: 45 s counted).
+# real_model.budget computes the same; `demo --model smollm2 --plan` prints it:
+#   Original: 80 rows (2 forget + 2 retain authors) / batch 8 x 10 epochs = 100 steps x 8 s + 45 s start
+#     = 14 min, Retain (40 rows, 50 steps) beside it;                              wall 14 min
+#   2 reference evaluations, 2 x 300 s / 2;                                        wall 5 min
+#   26 unlearning runs, each 40 forget rows / batch 8 x 2 epochs = 10 steps of a forget and a retain batch
+#     and (NPO, SimNPO's none, TPO, PALU without its cache) a reference forward: 2.5 steps' work, 20 s
+#     + 45 s start = 245 s, then one evaluation (300 s): 545 s;
+#     tuning: 5 methods x 2 learning rates on seed 0 = 10 runs;                    wall 10 x 545 / 2 = 45 min
+#     5 selected settings x seeds 1, 2 + PALU on GPT-4o spans and PALU with the reference model on
+#     seeds 0, 1, 2 = 16 runs;                                                     wall 16 x 545 / 2 = 73 min
+#   total 137 min of the 150.
 SMOLLM2 = RealTofuSize(
     model_config="SmolLM2-135M-Instruct",
     hidden_size=576,
@@ -143,7 +149,7 @@ SMOLLM2 = RealTofuSize(
     tune_knobs=False,  # the stated subset of the knob grid: every method's stock knob, 2 learning rates
     seeds=(0, 1, 2),
     step_seconds=8.0,
-    eval_seconds=240.0,
+    eval_seconds=300.0,
     process_seconds=45.0,
 )
 TOFU_SIZES["smollm2"] = SMOLLM2
@@ -164,6 +170,8 @@ TOFU_SIZES["smollm2-fast"] = replace(
     unlearn_learning_rates=(5e-5,),
     eval_max_new_tokens=8,
     seeds=(0, 1),
+    eval_seconds=30.0,
+    process_seconds=15.0,
 )
 MUSE_FULL = MuseSize(
     article_runs=2,

@@ -44,6 +44,7 @@ PALU_GPT4O = "PALU (GPT-4o spans)"
 PALU_REFERENCE_MODEL = "PALU (reference model)"
 REFERENCE_MODEL = "trainer.method_args.reference_cache=false"
 UTILITY, FORGETTING = "model_utility", "forget_quality"
+UNLEARN_STEP_WORK = 2.5  # an unlearning step in training steps: forget and retain batches, reference forward
 # On a real model the stock MU means what it says (real authors and world facts are answerable): it is the
 # x axis and the utility that the selection rule keeps.
 SCORECARD = replace(
@@ -181,8 +182,9 @@ def budget(methods: Sequence[str], size: RealTofuSize, jobs: int) -> dict[str, f
         math.ceil(rows / batch) * size.finetune_epochs * step + start
         for rows in (layout.forget_rows + retain_rows, retain_rows)
     ]
-    # each unlearning step runs a forget and a retain batch: two training steps' work
-    unlearn = 2 * math.ceil(layout.forget_rows / size.unlearn_batch_size) * size.unlearn_epochs * step + start
+    # each unlearning step runs a forget and a retain batch, and most methods a reference forward
+    steps = math.ceil(layout.forget_rows / size.unlearn_batch_size) * size.unlearn_epochs
+    unlearn = UNLEARN_STEP_WORK * steps * step + start
     per_run = unlearn + size.eval_seconds
     parallel = min(jobs, 2)
     seconds = {
