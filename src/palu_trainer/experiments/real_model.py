@@ -155,6 +155,21 @@ def tuning_runs(methods: Sequence[str], size: RealTofuSize) -> list[Run]:
     ]
 
 
+def tuning_note(methods: Sequence[str], size: RealTofuSize) -> str:
+    """The report's line on the equal tuning budget."""
+    runs = len(tuning_grid(methods[0], size.unlearn_learning_rates, size.tune_knobs))
+    grid = (
+        "learning rates x the method's knob (the table's grid)"
+        if size.tune_knobs
+        else "the stated subset of the table's grid: every method at its config's knob value"
+    )
+    return (
+        f"Tuning budget: {runs} runs per method on seed {size.seeds[0]}, learning rates "
+        f"{list(size.unlearn_learning_rates)}, {grid}; the selected setting then runs on seeds "
+        f"{list(size.seeds[1:])}."
+    )
+
+
 def seed_runs(selected: Mapping[str, Run], seeds: Sequence[int]) -> list[Run]:
     """The selected setting of every method on the other seeds, and PALU's extra rows on every seed."""
     runs = [replace(run, seed=seed) for run in selected.values() for seed in seeds[1:]]
@@ -472,8 +487,6 @@ def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[
         method: [tuned[run_] for run_ in tuned if run_.method == method] for method in methods
     }
     layout = size.layout
-    from palu_trainer.experiments.demo import tuning_budget
-
     notes = [
         *mini.notes[:1],
         f"Model: {size.model_config} (dequantised from 4 bits), "
@@ -484,7 +497,7 @@ def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[
         "everything the framework seeds); evaluation: the stock TOFU evaluator, evaluation-only sets capped "
         f"at {layout.eval_rows} rows, {size.eval_max_new_tokens} new tokens.",
         fq_resolution(layout.forget_rows),
-        tuning_budget(methods, size) + " The selected setting then runs on the other seeds.",
+        tuning_note(methods, size),
         f"{PALU_GPT4O}: PALU at its selected setting trained on GPT-4o's span annotations of forget05 "
         "(../shared) instead of the project's (span_annotations/tofu_forget05.jsonl), which every other "
         f"span method uses. {PALU_REFERENCE_MODEL}: PALU at its selected setting with `{REFERENCE_MODEL}`.",
