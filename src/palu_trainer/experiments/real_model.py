@@ -365,15 +365,7 @@ def plot(path: Path, rows: Mapping[str, Mapping[str, Spread | None]], references
             label=name,
             **style,
         )
-    axes.set_yscale("log")
-    axes.set_xlabel(SCORECARD.x_label)
-    axes.set_ylabel(SCORECARD.y_label)
-    axes.set_title(SCORECARD.title)
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(loc="best", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    report.save_plot(figure, axes, path, SCORECARD, legend_size=8)
 
 
 def write_report(
@@ -423,13 +415,6 @@ def write_report(
         f"![{SCORECARD.title}]({SCORECARD.plot_file})",
         "",
     ]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "summary.md": out_dir / "summary.md",
-        "summary.json": out_dir / "summary.json",
-        "plot": out_dir / SCORECARD.plot_file,
-    }
-    paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
     summary = {
         "reading": lines,
         "rows": {
@@ -441,9 +426,7 @@ def write_report(
         "tuning": {method: [vars(run) for run in runs] for method, runs in tuning.items()},
         **extra,
     }
-    import json
-
-    paths["summary.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    paths = report.save_summary(out_dir, markdown, summary, SCORECARD)
     plot(paths["plot"], spreads, list(references))
     return paths
 
