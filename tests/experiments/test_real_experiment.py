@@ -8,6 +8,7 @@ import pytest
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
 from palu_trainer.experiments import demo, real_model
+from palu_trainer.experiments.methods import REAL_MODEL_METHODS
 from palu_trainer.experiments.miniature import TOFU_SIZES
 from palu_trainer.experiments.real_model import (
     PALU_GPT4O,
@@ -28,7 +29,7 @@ from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.spans.format import read_annotations, validate_annotations
 
 SIZE = TOFU_SIZES["smollm2"]
-METHODS = real_model.DEFAULT_METHODS
+METHODS = REAL_MODEL_METHODS
 
 
 def test_the_plan_prints_every_run_and_fits_the_budget(capsys, tmp_path):

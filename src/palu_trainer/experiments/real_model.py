@@ -27,7 +27,7 @@ import numpy
 from scipy.stats import ks_2samp
 
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import tuning_grid
+from palu_trainer.experiments.methods import REAL_MODEL_BASELINES, REAL_MODEL_METHODS, tuning_grid
 from palu_trainer.experiments.miniature import (
     TOFU_SIZES,
     Miniature,
@@ -37,8 +37,6 @@ from palu_trainer.experiments.miniature import (
     unlearning_run_name,
 )
 
-DEFAULT_METHODS = ("GradDiff", "NPO", "SimNPO", "TPO", "PALU")
-BASELINES = ("NPO", "SimNPO", "TPO")  # what the reading compares PALU with
 GPT4O = "gpt4o"  # the label of GPT-4o's span annotations in the subset (`span_annotations/gpt4o.jsonl`)
 PALU_GPT4O = "PALU (GPT-4o spans)"
 PALU_REFERENCE_MODEL = "PALU (reference model)"
@@ -301,7 +299,7 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
 
 
 def reading(
-    rows: Mapping[str, Mapping[str, Spread | None]], baselines: Sequence[str] = BASELINES
+    rows: Mapping[str, Mapping[str, Spread | None]], baselines: Sequence[str] = REAL_MODEL_BASELINES
 ) -> list[str]:
     """The report's reading, computed from the rows' spreads over seeds: does PALU's FQ beat each baseline's
     at equal utility, and by how much against the spread; do GPT-4o's spans and the reference model change
@@ -434,7 +432,7 @@ def write_report(
 def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[str, Path]:
     """The experiment that `args` names (`demo --model smollm2`), or its plan (`--plan`)."""
     size = TOFU_SIZES[args.size]
-    methods = tuple(methods or DEFAULT_METHODS)
+    methods = tuple(methods or REAL_MODEL_METHODS)
     if args.plan:
         print("\n".join(plan_lines(methods, size, args.size, args.jobs)))
         return {}
