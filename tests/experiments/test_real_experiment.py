@@ -181,3 +181,55 @@ def test_the_subset_has_the_layouts_rows_and_both_span_sets(tofu_dir, shared_dir
 @pytest.mark.parametrize("run", [Run("PALU", "PALU", 2, 1e-4, {"lr": 1e-4})])
 def test_run_names(run):
     assert run.name == "PALU_lr0.0001_seed2"
+
+
+class FakeMiniature:
+    """Original and Retain without finetuning: what `real_model.run` reads of a miniature."""
+
+    notes = ["Data: fake."]
+
+    def references(self):
+        return {
+            "Original": EvaluatedModel({"forget_quality": 1e-5, "model_utility": 0.45}),
+            "Retain": EvaluatedModel({"forget_quality": 1.0, "model_utility": 0.44}),
+        }
+
+
+def test_run_selects_on_seed_0_then_runs_the_other_seeds_and_the_extra_rows(monkeypatch, tmp_path):
+    """`real_model.run` on fake evaluations: a higher learning rate forgets more and loses too much MU."""
+    quality = {"GradDiff": 0.01, "NPO": 0.05, "SimNPO": 0.1, "TPO": 0.2, "PALU": 0.5}
+    made = []
+
+    def fake_unlearn(mini, run):
+        made.append(run)
+        fq = quality[run.method] * (1.5 if run.learning_rate > 5e-5 else 1.0) + 0.01 * run.seed
+        fq -= 0.3 if run.row == PALU_GPT4O else 0.0
+        mu = 0.2 if run.learning_rate > 5e-5 else 0.40 + 0.01 * run.seed
+        return EvaluatedModel(
+            {"forget_quality": fq, "model_utility": mu}, 1.0, {**run.params, "seed": run.seed}
+        )
+
+    monkeypatch.setattr(real_model, "tofu_miniature", lambda args, progress, pool: FakeMiniature())
+    monkeypatch.setattr(real_model, "unlearn_and_evaluate", fake_unlearn)
+    arguments = [
+        "--model",
+        "smollm2",
+        "--data",
+        "tofu",
+        "--tofu-dir",
+        str(tmp_path),
+        "--results",
+        str(tmp_path),
+    ]
+    demo.main(arguments)
+    summary = json.loads((tmp_path / "smollm2-tofu" / "summary.json").read_text())
+    assert summary["selected"] == {method: f"{method}_lr3e-05_seed0" for method in METHODS}
+    assert len(made) == 10 + 16 and len(set(made)) == len(made)
+    rows = summary["rows"]
+    assert set(rows) == {"Original", "Retain", *METHODS, PALU_GPT4O, PALU_REFERENCE_MODEL}
+    palu = rows["PALU"]["forget_quality"]
+    assert (palu["mean"], palu["low"], palu["high"], palu["seeds"]) == (pytest.approx(0.51), 0.5, 0.52, 3)
+    assert rows[PALU_REFERENCE_MODEL]["forget_quality"]["seeds"] == 3
+    assert summary["reading"][0].startswith("PALU beats NPO, SimNPO, TPO on FQ")
+    assert any(line.startswith("Span quality:") and "behind PALU" in line for line in summary["reading"])
+    assert (tmp_path / "smollm2-tofu" / "mu_vs_fq.png").is_file()
