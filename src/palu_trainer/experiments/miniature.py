@@ -465,8 +465,8 @@ class Stages:
     def unlearn_cached(
         self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None, spans=None
     ) -> tuple[Path, float]:
-        """`unlearn`, once per content key (Original's weights, the data, the spans, the command line): a
-        stopped experiment that runs again continues from the runs it finished."""
+        """`unlearn`, once per content key (Original's weights, the data, the spans, this plugin's configs,
+        the command line): a stopped experiment that runs again continues from the runs it finished."""
         name = name or unlearning_run_name(method, {"lr": learning_rate})
         command = self.unlearn_overrides(method, learning_rate, original_dir, Path(name), extra, spans)
         span_file = spans or self.benchmark.span_annotations
@@ -474,6 +474,7 @@ class Stages:
             file_digest(original_dir / "model.safetensors"),
             *self.benchmark_digest(),
             *([file_digest(span_file)] if METHODS[method].uses_spans else []),
+            file_digest(*CONFIG_DIR.rglob("*.yaml")),
             *command,
         ]
 
