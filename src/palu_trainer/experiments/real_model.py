@@ -352,7 +352,10 @@ def plot(path: Path, rows: Mapping[str, Mapping[str, Spread | None]], references
             continue
         floor = report.FQ_FLOOR
         ys = [max(value, floor) for value in (y.mean, y.low, y.high)]
-        style = {"marker": "*", "color": "black", "markersize": 13} if name in references else {"marker": "o"}
+        if name in references:  # Original a star, Retain a plus, as report.plot draws them
+            style = {"marker": "*P"[list(references).index(name) % 2], "color": "black", "markersize": 12}
+        else:
+            style = {"marker": "s" if name.startswith("PALU (") else "o"}
         axes.errorbar(
             [x.mean],
             [ys[0]],
