@@ -120,12 +120,12 @@ def test_the_reading_is_computed_from_the_spreads():
     npo = lines[1]
     # mean difference 0.44 against the larger seed range, 0.2 (PALU's 0.4-0.6)
     assert "mean difference +0.44 = 2.2x the larger seed range (0.2)" in npo
-    assert "equal within the seed ranges" in npo and npo.endswith("Reading: PALU beats NPO.")
+    assert "equal within the seed ranges" in npo and npo.endswith("Reading: PALU beats NPO on every seed.")
     assert "lower by 0.100" in lines[3]
     assert lines[4].startswith(
         "Span quality: PALU (GPT-4o spans) vs PALU: FQ 0.3 [0.2–0.35] vs 0.5 [0.4–0.6]"
     )
-    assert "behind PALU" in lines[4]
+    assert lines[4].endswith("Reading: PALU (GPT-4o spans) is behind PALU on every seed.")
     assert len(lines) == 5  # no reference-model row: no line on it
 
 
@@ -231,5 +231,5 @@ def test_run_selects_on_seed_0_then_runs_the_other_seeds_and_the_extra_rows(monk
     assert (palu["mean"], palu["low"], palu["high"], palu["seeds"]) == (pytest.approx(0.51), 0.5, 0.52, 3)
     assert rows[PALU_REFERENCE_MODEL]["forget_quality"]["seeds"] == 3
     assert summary["reading"][0].startswith("PALU beats NPO, SimNPO, TPO on FQ")
-    assert any(line.startswith("Span quality:") and "behind PALU" in line for line in summary["reading"])
+    assert any(line.startswith("Span quality:") and "is behind PALU" in line for line in summary["reading"])
     assert (tmp_path / "smollm2-tofu" / "mu_vs_fq.png").is_file()

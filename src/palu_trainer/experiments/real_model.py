@@ -291,9 +291,15 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
         if mu_a.overlaps(mu_b)
         else f"{'lower' if lower_utility else 'higher'} by {abs(mu_a.mean - mu_b.mean):.3f}"
     )
+    phrase = {
+        "beats": f"beats {second} on every seed",
+        "behind": f"is behind {second} on every seed",
+        "ahead within the spread": f"is ahead of {second} within the seed spread",
+        "behind within the spread": f"is behind {second} within the seed spread",
+    }[verdict.removesuffix(" at lower utility")]
     sentence = (
         f"{first} vs {second}: FQ {fq_a.format()} vs {fq_b.format()}, mean difference {difference:+.3g} = "
-        f"{against}; {utility}. Reading: {first} {verdict} {second}."
+        f"{against}; {utility}. Reading: {first} {phrase}{' at lower utility' if lower_utility else ''}."
     )
     return verdict, sentence
 
