@@ -2,12 +2,15 @@
 training: `demo --model smollm2 --plan`, and the report's functions on fake evaluated runs."""
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from palu_trainer.benchmarks.hf_dir import read_jsonl
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
-from palu_trainer.experiments import demo, real_model
+from palu_trainer.experiments import demo, miniature, real_model
 from palu_trainer.experiments.methods import REAL_MODEL_METHODS
 from palu_trainer.experiments.miniature import TOFU_SIZES
 from palu_trainer.experiments.real_model import (
@@ -233,3 +236,42 @@ def test_run_selects_on_seed_0_then_runs_the_other_seeds_and_the_extra_rows(monk
     assert summary["reading"][0].startswith("PALU beats NPO, SimNPO, TPO on FQ")
     assert any(line.startswith("Span quality:") and "is behind PALU" in line for line in summary["reading"])
     assert (tmp_path / "smollm2-tofu" / "mu_vs_fq.png").is_file()
+
+
+def test_unlearning_runs_are_cached_by_content_and_their_command_lines(monkeypatch, tmp_path):
+    """A stopped experiment continues: a finished run is not made again; a seed, a span file or a model
+    override makes another; a run stopped halfway (no marker) is made again from the start."""
+    spans = tmp_path / "data" / "span_annotations" / "forget05.jsonl"
+    spans.parent.mkdir(parents=True)
+    spans.write_text("{}\n")
+    (tmp_path / "data" / "full.json").write_text("{}\n")
+    other = spans.parent / "gpt4o.jsonl"
+    other.write_text("{}\n{}\n")
+    benchmark = TofuBenchmark(tmp_path / "data", "forget05", "retain_subset", "holdout05", spans, 32, "")
+    stages = miniature.Stages(benchmark, SIZE, tmp_path, tmp_path / "cache", miniature.Progress(1))
+    original = tmp_path / "original"
+    original.mkdir()
+    (original / "model.safetensors").write_bytes(b"weights")
+    made = []
+
+    def fake_framework(entry, overrides, log_path, env):
+        out_dir = Path(next(part for part in overrides if part.startswith("paths.output_dir=")).split("=")[1])
+        out_dir.mkdir(parents=True)
+        made.append(overrides)
+        return 2.0
+
+    monkeypatch.setattr(miniature, "run_framework", fake_framework)
+    seed0 = Run("PALU", "PALU", 0, 1e-4, {"lr": 1e-4})
+    first, seconds = stages.unlearn_cached("PALU", 1e-4, original, seed0.overrides(), seed0.name)
+    assert seconds == 2.0 and len(made) == 1
+    assert "model=SmolLM2-135M-Instruct" in made[0] and "trainer.args.bf16=true" in made[0]
+    assert "trainer.args.seed=0" in made[0] and f"span_annotations={spans}" in made[0]
+    assert stages.unlearn_cached("PALU", 1e-4, original, seed0.overrides(), seed0.name) == (first, 2.0)
+    assert len(made) == 1  # cached
+    seed1 = replace(seed0, seed=1)
+    assert stages.unlearn_cached("PALU", 1e-4, original, seed1.overrides(), seed1.name)[0] != first
+    gpt4o, _ = stages.unlearn_cached("PALU", 1e-4, original, seed0.overrides(), "g", spans=other)
+    assert f"span_annotations={other}" in made[-1] and gpt4o != first and len(made) == 3
+    (first / "demo_stage.json").unlink()  # stopped before it finished
+    stages.unlearn_cached("PALU", 1e-4, original, seed0.overrides(), seed0.name)
+    assert len(made) == 4
