@@ -277,7 +277,13 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
     elif fq_a.high < fq_b.low:
         verdict = "behind"
     else:
-        verdict = "ahead within the spread" if fq_a.mean > fq_b.mean else "behind within the spread"
+        verdict = (
+            "level within the spread"
+            if fq_a.mean == fq_b.mean
+            else "ahead within the spread"
+            if fq_a.mean > fq_b.mean
+            else "behind within the spread"
+        )
     lower_utility = mu_a.high < mu_b.low
     if lower_utility:
         verdict += " at lower utility"
@@ -296,6 +302,7 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
         "behind": f"is behind {second} on every seed",
         "ahead within the spread": f"is ahead of {second} within the seed spread",
         "behind within the spread": f"is behind {second} within the seed spread",
+        "level within the spread": f"is level with {second}",
     }[verdict.removesuffix(" at lower utility")]
     sentence = (
         f"{first} vs {second}: FQ {fq_a.format()} vs {fq_b.format()}, mean difference {difference:+.3g} = "
