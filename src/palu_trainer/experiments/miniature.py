@@ -51,6 +51,7 @@ class Size:
     bf16: bool = False  # training under bf16 autocast, evaluation in bf16 (CPUs with avx512_bf16)
     finetune_batch_size: int | None = None  # None: the finetune experiment's
     eval_batch_size: int | None = None  # None: the evaluation experiment's
+    training_overrides: tuple[str, ...] = ()  # more Hydra overrides of a real model's training runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,8 @@ TOFU_SIZES["smollm2-fast"] = replace(
     seeds=(0, 1),
     eval_seconds=30.0,
     process_seconds=15.0,
+    # +runtime=cpu's warm-up (10%) makes a 1-step run's only step one at learning rate 0
+    training_overrides=("trainer.args.warmup_ratio=0",),
 )
 MUSE_FULL = MuseSize(
     article_runs=2,
@@ -353,7 +356,7 @@ class Stages:
             overrides.append(
                 "trainer.args.bf16=true" if training else "model.model_args.torch_dtype=bfloat16"
             )
-        return overrides
+        return overrides + list(self.size.training_overrides if training else ())
 
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
         experiment = self.facts.tiny_finetune_experiment
