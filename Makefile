@@ -37,8 +37,13 @@ MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SP
 # (default MUSE_DIR: $(SHARED)/data/muse_news). make ablation [AXES="k n c strategy"] and
 # make convergence [METHODS="PALU NPO"] (the paper's Figures 4 and 5) take the same TOFU options,
 # results/ablation/ and results/convergence/.
+# make demo MINI_MODEL=smollm2 [JOBS=2] [PLAN=1] [FAST=1]: the real-model experiment (docs/real-model.md):
+# SmolLM2-135M-Instruct on a real-TOFU subset (DATA=tofu by default), seeds, results/smollm2-tofu/; PLAN=1
+# prints its runs and minutes. MINI_MODEL, not MODEL: MODEL names the GPU recipe's model config and has a
+# default, so `make demo` could not tell it was not asked for.
 BENCH ?= tofu
-DATA ?= synthetic
+MINI_MODEL ?=
+DATA ?= $(if $(MINI_MODEL),tofu,synthetic)
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
@@ -87,6 +92,7 @@ bench:
 
 demo:
 	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS)) \
+		$(if $(MINI_MODEL),--model $(MINI_MODEL)) $(if $(PLAN),--plan) \
 		$(if $(filter muse,$(BENCH)),--muse-dir $(or $(MUSE_DIR),$(SHARED)/data/muse_news))
 
 ablation:

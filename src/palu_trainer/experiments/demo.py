@@ -3,7 +3,8 @@
 Stages: the miniature (palu_trainer.experiments.miniature: data, tokenizer and tiny Llama from scratch,
 Original and Retain finetuned and evaluated with the stock evaluator) → unlearn Original with every method
 on a shared learning-rate grid, evaluating each → `summary.md`, `summary.json` and a plot
-(palu_trainer.experiments.report). `--bench muse`: the same on a MUSE-News subset.
+(palu_trainer.experiments.report). `--bench muse`: the same on a MUSE-News subset. `--model smollm2`: the
+real-model experiment on real TOFU, with seeds (palu_trainer.experiments.real_model).
 """
 
 import argparse
@@ -220,9 +221,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--methods", nargs="+", choices=list(METHODS), help="unlearning methods to run (default: the table's)"
     )
+    parser.add_argument(
+        "--plan", action="store_true", help="with --model smollm2: print every run and the minutes, and exit"
+    )
     args = parse_arguments(parser, argv, "")
     methods = tuple(args.methods) if args.methods else None
-    if args.bench == "muse":
+    if args.model != "tiny":
+        from palu_trainer.experiments import real_model
+
+        real_model.run(args, methods)
+    elif args.bench == "muse":
         run_muse(args, args.muse_dir or PROJECT_ROOT.parent / "shared" / "data" / "muse_news", methods)
     else:
         run_tofu(args, methods)

@@ -129,6 +129,10 @@ METHODS: dict[str, Method] = {
 BENCH_BASELINES = ("GradDiff", "NPO")
 CONVERGENCE_METHODS = ("PALU", "NPO")
 GPU_CHECK_BASELINES = ("TPO", "NPO")
+# The real-model experiment (issue 21): the methods it runs by default, and those its reading compares
+# PALU with.
+REAL_MODEL_METHODS = ("GradDiff", "NPO", "SimNPO", "TPO", "PALU")
+REAL_MODEL_BASELINES = ("NPO", "SimNPO", "TPO")
 
 
 def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, ...]:

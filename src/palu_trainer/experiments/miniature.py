@@ -25,8 +25,8 @@ from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.muse_subset import make_muse_subset
 from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
-from palu_trainer.experiments import report
+from palu_trainer.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
+from palu_trainer.experiments import report, smollm2
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
 from palu_trainer.experiments.methods import METHODS
 from palu_trainer.experiments.tiny import save_tiny_model
@@ -47,11 +47,30 @@ class Size:
     unlearn_learning_rates: tuple[float, ...]
     eval_max_new_tokens: int
     tune_knobs: bool  # the equal-budget grid: learning rates x every method's knob (methods.tuning_grid)
+    model_config: str = "tiny-llama"  # configs/model/<name>.yaml
+    bf16: bool = False  # training under bf16 autocast, evaluation in bf16 (CPUs with avx512_bf16)
+    finetune_batch_size: int | None = None  # None: the finetune experiment's
+    eval_batch_size: int | None = None  # None: the evaluation experiment's
+    training_overrides: tuple[str, ...] = ()  # more Hydra overrides of a real model's training runs
 
 
 @dataclass(frozen=True, kw_only=True)
 class TofuSize(Size):
     synthetic_authors: int  # trained authors of the synthetic data (`--data tofu` has its own subset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RealTofuSize(Size):
+    """A real pretrained model (`model_config`, `hidden_size` etc. are its own) on a real-TOFU subset
+    (`layout`), unlearned on `seeds` (the first tunes), with the costs the budget plan multiplies
+    (measured on the 2-core machine, two framework processes at a time)."""
+
+    layout: TofuLayout
+    unlearn_batch_size: int = 8
+    seeds: tuple[int, ...]
+    step_seconds: float  # one training step, batch 8 x ~96 tokens, beside another job
+    eval_seconds: float  # one stock evaluation of the layout's rows, beside another job
+    process_seconds: float  # a framework process's start: imports, model load, data, reference cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +110,72 @@ TOFU_SIZES = {
         tune_knobs=False,
     ),
 }
+# SmolLM2-135M-Instruct (dequantised from 4 bits; experiments/smollm2.py) on real TOFU, `--model smollm2`
+# (the real-model experiment, experiments/real_model.py). Budget of `smollm2` on the 2-core machine, two
+# framework processes at a time (`--jobs 2`), from measured costs beside another job: a bf16-autocast
+# training step of 8 x 96 tokens ~8 s; one evaluation of this layout in bf16 ~294 s (forget truth ratios
+# 90 s, forget ROUGE 14 s, retain / real authors / world facts 58 s, the MIA attacks, ES and EM 130 s);
+# a framework process's start ~15 s (more with a reference cache to build: 45 s counted).
+# real_model.budget computes the same; `demo --model smollm2 --plan` prints it:
+#   Original: 80 rows (2 forget + 2 retain authors) / batch 8 x 10 epochs = 100 steps x 8 s + 45 s start
+#     = 14 min, Retain (40 rows, 50 steps) beside it;                              wall 14 min
+#   2 reference evaluations, 2 x 300 s / 2;                                        wall 5 min
+#   26 unlearning runs, each 40 forget rows / batch 8 x 2 epochs = 10 steps of a forget and a retain batch
+#     and (NPO, SimNPO's none, TPO, PALU without its cache) a reference forward: 2.5 steps' work, 20 s
+#     + 45 s start = 245 s, then one evaluation (300 s): 545 s;
+#     tuning: 5 methods x 2 learning rates on seed 0 = 10 runs;                    wall 10 x 545 / 2 = 45 min
+#     5 selected settings x seeds 1, 2 + PALU on GPT-4o spans and PALU with the reference model on
+#     seeds 0, 1, 2 = 16 runs;                                                     wall 16 x 545 / 2 = 73 min
+#   total 137 min of the 150.
+SMOLLM2 = RealTofuSize(
+    model_config="SmolLM2-135M-Instruct",
+    hidden_size=576,
+    num_layers=30,
+    max_vocab_size=smollm2.VOCAB_SIZE,
+    layout=TofuLayout(
+        forget_authors=range(190, 192),  # 40 rows: FQ's KS test moves in steps of 1/40 (real_model.fq_ladder)
+        retain_authors=range(0, 2),
+        holdout_authors=range(170, 171),
+        eval_rows=10,
+        max_new_tokens=32,
+    ),
+    bf16=True,
+    finetune_epochs=10,
+    finetune_learning_rate=1e-4,
+    finetune_batch_size=8,
+    unlearn_epochs=2,
+    unlearn_learning_rates=(3e-5, 1e-4),
+    eval_max_new_tokens=32,
+    eval_batch_size=16,
+    tune_knobs=False,  # the stated subset of the knob grid: every method's stock knob, 2 learning rates
+    seeds=(0, 1, 2),
+    step_seconds=8.0,
+    eval_seconds=300.0,
+    process_seconds=45.0,
+)
+TOFU_SIZES["smollm2"] = SMOLLM2
+REAL_MODELS = {"smollm2": SMOLLM2}
+# The smoke run (`--model smollm2 --fast`): 2 forget rows, 1 step, 2 eval rows, seeds 0 and 1.
+TOFU_SIZES["smollm2-fast"] = replace(
+    SMOLLM2,
+    layout=TofuLayout(
+        forget_authors=range(190, 191),
+        retain_authors=range(0, 1),
+        holdout_authors=range(170, 171),
+        rows_per_author=2,
+        eval_rows=2,
+        max_new_tokens=8,
+    ),
+    finetune_epochs=1,
+    unlearn_epochs=1,
+    unlearn_learning_rates=(5e-5,),
+    eval_max_new_tokens=8,
+    seeds=(0, 1),
+    eval_seconds=30.0,
+    process_seconds=15.0,
+    # +runtime=cpu's warm-up (10%) makes a 1-step run's only step one at learning rate 0
+    training_overrides=("trainer.args.warmup_ratio=0",),
+)
 MUSE_FULL = MuseSize(
     article_runs=2,
     retain_excerpts=2,
@@ -122,7 +207,6 @@ MUSE_SIZES = {
 FRAMEWORK_ENTRY = "from palu_trainer.framework.cli import {0}_main; {0}_main()"
 CPU_TRAINING = [
     "+runtime=cpu",
-    "model=tiny-llama",
     "trainer.args.gradient_accumulation_steps=1",
     "trainer.args.do_eval=false",
     "trainer.args.eval_on_start=false",
@@ -265,14 +349,26 @@ class Stages:
             f"holdout_split={self.benchmark.holdout_split}",
         ]
 
+    def model_overrides(self, training: bool) -> list[str]:
+        """The model config and precision of the size (a real model's: `model=<config>`, bf16)."""
+        overrides = [f"model={self.size.model_config}"]
+        if self.size.bf16:
+            overrides.append(
+                "trainer.args.bf16=true" if training else "model.model_args.torch_dtype=bfloat16"
+            )
+        return overrides + list(self.size.training_overrides if training else ())
+
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
         experiment = self.facts.tiny_finetune_experiment
+        batch = self.size.finetune_batch_size
         overrides = [
             f"experiment={experiment}",
             "+runtime=cpu",
+            *(self.model_overrides(training=True) if self.size.model_config != "tiny-llama" else []),
             f"train_split={train_split}",
             f"trainer.args.num_train_epochs={self.size.finetune_epochs}",
             f"trainer.args.learning_rate={self.size.finetune_learning_rate}",
+            *([f"trainer.args.per_device_train_batch_size={batch}"] if batch else []),
             f"task_name={name}",
         ]
         key = [
@@ -292,9 +388,12 @@ class Stages:
         """Stock evaluation against Retain's, once `retain_eval` gives its eval file (None: Retain itself)."""
         retain_logs = retain_eval.result() if retain_eval is not None else None
         experiment = self.facts.tiny_eval_experiment
+        batch = self.size.eval_batch_size
         overrides = [
             f"experiment={experiment}",
             "+runtime=cpu",
+            *(self.model_overrides(training=False) if self.size.model_config != "tiny-llama" else []),
+            *([f"eval.{self.facts.name.lower()}.batch_size={batch}"] if batch else []),
             *self.benchmark_overrides(),
             *self.facts.scorecard.metric_overrides(cuda=False),
             f"retain_logs_path={retain_logs or 'null'}",
@@ -331,11 +430,13 @@ class Stages:
         return self.evaluate(unlearned_dir.name, unlearned_dir, retain_eval, cache=False), seconds
 
     def unlearn_overrides(
-        self, method: str, learning_rate: float, original_dir: Path, out_dir: Path, extra=()
+        self, method: str, learning_rate: float, original_dir: Path, out_dir: Path, extra=(), spans=None
     ) -> list[str]:
         """The framework's train.py command line that unlearns Original with `method` (METHODS); `extra`
-        overrides come last (a knob's value, an ablation point)."""
-        spans = [f"span_annotations={self.benchmark.span_annotations}"] if METHODS[method].uses_spans else []
+        overrides come last (a knob's value, an ablation point); `spans`: another span file than the
+        benchmark's."""
+        span_file = spans or self.benchmark.span_annotations
+        spans = [f"span_annotations={span_file}"] if METHODS[method].uses_spans else []
         idk = [f"idk_path={self.benchmark.idk_answers}"] if METHODS[method].uses_idk_answers else []
         return [
             "--config-name=unlearn.yaml",
@@ -343,6 +444,7 @@ class Stages:
             *spans,
             *idk,
             *CPU_TRAINING,
+            *self.model_overrides(training=True),
             *model_paths(original_dir),
             f"trainer.args.learning_rate={learning_rate}",
             f"trainer.args.num_train_epochs={self.size.unlearn_epochs}",
@@ -362,6 +464,28 @@ class Stages:
         seconds = run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
         self.progress.stage(f"unlearn {name}", seconds)
         return out_dir, seconds
+
+    def unlearn_cached(
+        self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None, spans=None
+    ) -> tuple[Path, float]:
+        """`unlearn`, once per content key (Original's weights, the data, the spans, this plugin's configs,
+        the command line): a stopped experiment that runs again continues from the runs it finished."""
+        name = name or unlearning_run_name(method, {"lr": learning_rate})
+        command = self.unlearn_overrides(method, learning_rate, original_dir, Path(name), extra, spans)
+        span_file = spans or self.benchmark.span_annotations
+        key = [
+            file_digest(original_dir / "model.safetensors"),
+            *self.benchmark_digest(),
+            *([file_digest(span_file)] if METHODS[method].uses_spans else []),
+            file_digest(*CONFIG_DIR.rglob("*.yaml")),
+            *command,
+        ]
+
+        def produce(out_dir: Path) -> float:
+            overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir, extra, spans)
+            return run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
+
+        return self.run_cached_stage(f"unlearn {name}", "unlearn", key, produce)
 
 
 class MuseStages(Stages):
@@ -483,29 +607,49 @@ def model_note(size: Size, vocab_size: int) -> str:
     )
 
 
+def real_model(size: RealTofuSize, progress: Progress) -> tuple[Path, int]:
+    """The converted folder of the size's real pretrained model and its vocabulary size."""
+    model_dir = smollm2.default_dir()
+    if smollm2.read_marker(model_dir) is None:
+        raise SystemExit(f"{size.model_config} is not converted at {model_dir}: run `make smollm2`")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    progress.stage(f"model: {size.model_config} from {model_dir}", 0)
+    return model_dir, vocab_size
+
+
 def tofu_miniature(args: argparse.Namespace, progress: Progress, pool) -> Miniature:
     """The TOFU miniature that the command line (`parse_arguments`) names: synthetic authors or a real-TOFU
-    subset, its tokenizer and tiny Llama, Original and Retain."""
+    subset, its tokenizer and tiny Llama (or a real model, `--model`), Original and Retain."""
     size = TOFU_SIZES[args.size]
     start = time.monotonic()
     data_dir = args.run_dir / "data"
     if args.data == "synthetic":
         benchmark = synthetic_benchmark(data_dir, size.synthetic_authors, size.eval_max_new_tokens, args.seed)
+    elif isinstance(size, RealTofuSize):
+        benchmark = make_tofu_subset(args.tofu_dir, args.spans, data_dir, size.layout, args.other_spans)
     else:
         benchmark = make_tofu_subset(args.tofu_dir, args.spans, data_dir)
     progress.stage(f"data: {benchmark.description}", time.monotonic() - start)
-    model_dir, vocab_size = make_model(args.run_dir, benchmark_texts(data_dir), size, args.seed, progress)
+    if isinstance(size, RealTofuSize):
+        model_dir, vocab_size = real_model(size, progress)
+        model = f"{size.model_config} (pretrained)"
+    else:
+        model_dir, vocab_size = make_model(args.run_dir, benchmark_texts(data_dir), size, args.seed, progress)
+        model = model_note(size, vocab_size)
     notes = [
         f"Data: {benchmark.description}; forget split {benchmark.forget_split}, retain split "
         f"{benchmark.retain_split}, holdout {benchmark.holdout_split}.",
-        f"{model_note(size, vocab_size)}; unlearning starts from Original and runs {size.unlearn_epochs} "
+        f"{model}; unlearning starts from Original and runs {size.unlearn_epochs} "
         f"epochs, batch {size.unlearn_batch_size}.",
         "Retain's FQ is the KS test of its truth ratios against themselves, 1 by definition; its "
         "privleak uses the stock reference AUC of 0.5.",
-        "Stock MU is the harmonic mean of nine parts, six on real-author and world-fact questions that a "
-        "model trained from scratch cannot answer: one part near 0 collapses it, so it is ≈ 0 (and noise) "
-        "for these models.",
     ]
+    if not isinstance(size, RealTofuSize):
+        notes.append(
+            "Stock MU is the harmonic mean of nine parts, six on real-author and world-fact questions that "
+            "a model trained from scratch cannot answer: one part near 0 collapses it, so it is ≈ 0 (and "
+            "noise) for these models."
+        )
     if args.data == "synthetic":
         notes.append(
             "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
@@ -546,6 +690,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="framework processes at a time, 1 thread each")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", *REAL_MODELS),
+        default="tiny",
+        help="tiny: a tokenizer and Llama from scratch; smollm2: SmolLM2-135M-Instruct on real TOFU",
+    )
 
 
 def parse_arguments(parser: argparse.ArgumentParser, argv, experiment: str):
@@ -553,12 +703,22 @@ def parse_arguments(parser: argparse.ArgumentParser, argv, experiment: str):
     by default results/<experiment>[-<data>][-fast] (the demo: results/<data>[-fast], its `--bench muse`
     data named muse)."""
     args = parser.parse_args(argv)
+    if args.model != "tiny":
+        # a real model on real TOFU; its PALU row uses the project's spans, an extra row GPT-4o's
+        if args.data != "tofu":
+            parser.error(f"--model {args.model} needs --data tofu --tofu-dir ... (MINI_MODEL=... DATA=tofu)")
+        args.other_spans = {"gpt4o": args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"}
+        args.spans = args.spans or PROJECT_ROOT / "span_annotations" / "tofu_forget05.jsonl"
     if args.data == "tofu":
         if not args.tofu_dir:
             parser.error("--data tofu needs --tofu-dir (DATA=tofu TOFU_DIR=...)")
         args.spans = args.spans or args.tofu_dir.parent / "tofu_spans_gpt4o" / "forget05.jsonl"
     args.size = "fast" if args.fast else "full"
+    if args.model != "tiny":
+        args.size = args.model + ("-fast" if args.fast else "")
     data = "muse" if getattr(args, "bench", "tofu") == "muse" else args.data
-    name = "-".join(part for part in (experiment, "" if experiment and data == "synthetic" else data) if part)
+    model = "" if args.model == "tiny" else args.model
+    parts = (experiment, model, "" if experiment and data == "synthetic" else data)
+    name = "-".join(part for part in parts if part)
     args.run_dir = args.results / (args.run or name + ("-fast" if args.fast else ""))
     return args

@@ -334,13 +334,20 @@ def plot(
     for marker, (name, run) in zip(("*", "P"), references.items(), strict=False):
         x, y = point(run)
         axes.scatter([x], [y], marker=marker, color="black", s=160, label=name, zorder=4)
+    save_plot(figure, axes, path, scorecard)
+
+
+def save_plot(figure, axes, path: Path, scorecard: Scorecard, legend_size: int = 9) -> None:
+    """Label `axes` as the scorecard says (log y for TOFU's FQ), save `figure` to `path` and close it."""
+    import matplotlib.pyplot as plt
+
     if scorecard.log_y:
         axes.set_yscale("log")
     axes.set_xlabel(scorecard.x_label)
     axes.set_ylabel(scorecard.y_label)
     axes.set_title(scorecard.title)
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(loc="best", fontsize=9)
+    axes.legend(loc="best", fontsize=legend_size)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -391,12 +398,6 @@ def write_report(
         f"![{scorecard.title}]({scorecard.plot_file})",
         "",
     ]
-    paths = {
-        "summary.md": out_dir / "summary.md",
-        "summary.json": out_dir / "summary.json",
-        "plot": out_dir / scorecard.plot_file,
-    }
-    paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
     summary = {
         "title": title,
         "selection_rule": scorecard.selection_rule,
@@ -406,6 +407,19 @@ def write_report(
         "runs": {method: [vars(run) for run in runs] for method, runs in grids.items()},
         **dict(extra or {}),
     }
-    paths["summary.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    paths = save_summary(out_dir, markdown, summary, scorecard)
     plot(paths["plot"], references, grids, selected, scorecard)
+    return paths
+
+
+def save_summary(out_dir: Path, markdown: Sequence[str], summary: Mapping, scorecard: Scorecard) -> dict:
+    """Write summary.md (`markdown` lines) and summary.json to `out_dir`; their paths and the plot's."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "summary.md": out_dir / "summary.md",
+        "summary.json": out_dir / "summary.json",
+        "plot": out_dir / scorecard.plot_file,
+    }
+    paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
+    paths["summary.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     return paths
