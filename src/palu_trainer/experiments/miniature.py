@@ -126,7 +126,8 @@ TOFU_SIZES = {
 #     tuning: 5 methods x 2 learning rates on seed 0 = 10 runs;                    wall 10 x 545 / 2 = 45 min
 #     5 selected settings x seeds 1, 2 + PALU on GPT-4o spans and PALU with the reference model on
 #     seeds 0, 1, 2 = 16 runs;                                                     wall 16 x 545 / 2 = 73 min
-#   total 137 min of the 150.
+#   total 137 min of the 150. Measured (557847c, docs/real-model.md): 101 min; unlearning runs took
+#   114-166 s and evaluations 244-268 s, the budget's 245 s and 300 s are margins.
 SMOLLM2 = RealTofuSize(
     model_config="SmolLM2-135M-Instruct",
     hidden_size=576,
