@@ -1,16 +1,29 @@
 SHELL := /bin/bash
 
+# Two tested framework states (docs/setup.md): STACK=4.45 is open-unlearning d3d7cf9 with transformers
+# 4.45.1 (the default: .venv); STACK=4.51 is its PR #175 (4b43848), transformers 4.51.3 (.venv-4.51).
+# Each stack has its own framework checkout and venv; the framework's requirements.txt sets transformers.
+DEFAULT_STACK := 4.45
+STACK ?= $(DEFAULT_STACK)
+STACK_COMMIT_4.45 := d3d7cf9e6b3c125d16687d4232680d8d83548f1a
+STACK_COMMIT_4.51 := 4b438483c9048a760c6ae5aca1ce9acd144dad7e
+STACK_REF_4.51 := refs/pull/175/head
+ifeq ($(STACK_COMMIT_$(STACK)),)
+$(error STACK=$(STACK): choose 4.45 (open-unlearning d3d7cf9) or 4.51 (open-unlearning 4b43848, its PR 175))
+endif
 PYTHON ?= python3
-VENV ?= .venv
+VENV ?= .venv$(if $(filter-out $(DEFAULT_STACK),$(STACK)),-$(STACK))
 PY := $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 OPEN_UNLEARNING_URL ?= https://github.com/locuslab/open-unlearning
-OPEN_UNLEARNING_COMMIT := d3d7cf9e6b3c125d16687d4232680d8d83548f1a
-OPEN_UNLEARNING_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/palu-trainer/open-unlearning
+OPEN_UNLEARNING_COMMIT := $(STACK_COMMIT_$(STACK))
+OPEN_UNLEARNING_REF := $(STACK_REF_$(STACK))
+OPEN_UNLEARNING_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/palu-trainer/open-unlearning-$(STACK)
 SHARED ?= $(abspath ../shared)
 
-export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_DIR
+export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_REF \
+	OPEN_UNLEARNING_DIR
 
 # The paper's TOFU recipe on GPUs (docs/reproducing.md); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
 # and IDK_ANSWERS replace hub ids and downloaded logs on offline clusters; ATTN=sdpa|flash_attention_2|eager
@@ -47,7 +60,7 @@ DATA ?= $(if $(MINI_MODEL),tofu,synthetic)
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup flash-attn smollm2 gpu-check test test-fast lint format tofu muse compare tofu-sweep tofu-ablation \
+.PHONY: setup flash-attn smollm2 gpu-check test test-stack test-fast lint format tofu muse compare tofu-sweep tofu-ablation \
 	demo ablation convergence bench
 
 setup:
@@ -72,7 +85,13 @@ gpu-check:
 		$(if $(CPU),--cpu) $(if $(STEPS),--steps $(STEPS))
 
 test:
-	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra tests
+	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra --durations=25 tests
+
+# The other framework stack's suite (CI runs it on STACK=4.51): the fast suite plus the tests marked
+# `stack` (end-to-end palu-train + palu-eval per method, the users' configurations, new architectures,
+# the real-model FAST check). make setup STACK=4.51 first.
+test-stack:
+	PALU_SHARED=$(SHARED) $(PY) -m pytest -ra --durations=25 -m "(not slow and not distributed) or stack" tests
 
 # The suite without the runs that train end to end or launch two processes (markers in pyproject.toml): a loop
 # while editing; make test runs everything.

@@ -36,6 +36,7 @@ from palu_trainer.experiments.methods import BENCH_BASELINES, METHODS
 from palu_trainer.experiments.smollm2 import VOCAB_SIZE, default_dir, read_marker
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
+from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.losses import ReferenceTargets, palu_forget_loss
 from palu_trainer.method.roles import TokenRole
@@ -325,7 +326,7 @@ def make_trainer(run, model, config, device, forget, retain, out_dir):
         model=model,
         args=training_args,
         train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-        tokenizer=None,
+        **tokenizer_keyword(None),
         data_collator=DataCollatorWithTokenRoles(PadToken()),
         **method_args,
     )

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_importable
+from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.method.losses import (
     _KLFromReference,
     _KLFromTopM,
@@ -272,7 +273,7 @@ def make_trainer(cfg, model, tokenizer, args, out_dir):
         model=model,
         args=training_args,
         train_dataset=data["train"],
-        tokenizer=tokenizer,
+        **tokenizer_keyword(tokenizer),
         data_collator=get_collators(cfg.collator, tokenizer=tokenizer),
         **{**method_args, "reference_cache": True},
     )

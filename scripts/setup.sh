@@ -16,11 +16,16 @@ else
   pip_install "torch==$TORCH_VERSION" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 fi
 
-# 2. open-unlearning at the pinned commit, in a cache dir outside this repo (or an existing checkout).
+# 2. open-unlearning at the stack's commit, in a cache dir outside this repo (or an existing checkout). A
+#    commit only on a pull request's head (OPEN_UNLEARNING_REF) is fetched by that ref.
 if [ ! -e "$OPEN_UNLEARNING_DIR" ]; then
   say "cloning $OPEN_UNLEARNING_URL into $OPEN_UNLEARNING_DIR"
   mkdir -p "$(dirname "$OPEN_UNLEARNING_DIR")"
   git clone -q "$OPEN_UNLEARNING_URL" "$OPEN_UNLEARNING_DIR"
+  if ! git -C "$OPEN_UNLEARNING_DIR" cat-file -e "$OPEN_UNLEARNING_COMMIT^{commit}" 2>/dev/null \
+    && [ -n "${OPEN_UNLEARNING_REF:-}" ]; then
+    git -C "$OPEN_UNLEARNING_DIR" fetch -q origin "$OPEN_UNLEARNING_REF"
+  fi
   git -C "$OPEN_UNLEARNING_DIR" -c advice.detachedHead=false checkout -q "$OPEN_UNLEARNING_COMMIT"
 elif [ ! -f "$OPEN_UNLEARNING_DIR/src/trainer/unlearn/base.py" ]; then
   echo "error: $OPEN_UNLEARNING_DIR exists but is not an open-unlearning checkout" >&2
@@ -30,7 +35,8 @@ head=$(git -C "$OPEN_UNLEARNING_DIR" rev-parse HEAD 2>/dev/null || echo unknown)
 if [ "$head" != "$OPEN_UNLEARNING_COMMIT" ]; then
   printf '\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n' >&2
   printf '!! WARNING: open-unlearning at %s is at commit %s,\n' "$OPEN_UNLEARNING_DIR" "$head" >&2
-  printf '!! not the pinned %s. PALU is tested against the pin.\n' "$OPEN_UNLEARNING_COMMIT" >&2
+  printf '!! not %s. PALU is tested at d3d7cf9 (STACK=4.45) and 4b43848\n' "$OPEN_UNLEARNING_COMMIT" >&2
+  printf '!! (STACK=4.51); its requirements.txt sets the transformers installed (docs/setup.md).\n' >&2
   printf '!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\n' >&2
 else
   say "open-unlearning $head at $OPEN_UNLEARNING_DIR"

@@ -202,6 +202,22 @@ def make_tofu_mirror(mirror: Path, tofu_dir: Path, replaced: dict[str, list[dict
     return mirror
 
 
+EVAL_ROWS = 4
+
+
+@pytest.fixture(scope="session")
+def small_tofu_mirror(tmp_path_factory, tofu_dir):
+    """forget01 and every evaluation set cut to EVAL_ROWS rows (retain99 rows stand in for holdout01)."""
+    replaced = {
+        name: read_jsonl(tofu_dir / f"{name}.json")[:EVAL_ROWS]
+        for name in ("forget01", "forget01_perturbed", "retain_perturbed")
+        + ("real_authors_perturbed", "world_facts_perturbed")
+    }
+    retain = read_jsonl(tofu_dir / "retain99.json")
+    replaced |= {"holdout01": retain[:EVAL_ROWS], "retain99": retain[EVAL_ROWS : 2 * EVAL_ROWS]}
+    return make_tofu_mirror(tmp_path_factory.mktemp("small-tofu"), tofu_dir, replaced)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

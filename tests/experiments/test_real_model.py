@@ -42,6 +42,7 @@ ROWS = 4  # of forget01, its holdout stand-in and every evaluation set
 STEPS = 3
 MAX_NEW_TOKENS = 32
 MODEL = "model=SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.stack
 # What the reference evaluation keeps: the pre-computes that forget_quality and privleak read from it.
 REFERENCE_ONLY = [
     f"~eval.tofu.metrics.{name}"

@@ -167,6 +167,7 @@ def assert_same_run(configuration, distributed, single, model_dir):
 
 
 @pytest.mark.distributed
+@pytest.mark.stack
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
 def test_zero3_two_uneven_ranks(
     configuration, tmp_path, uneven_data, model_dirs, zero3_config, single_process

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from palu_trainer.spans.tpo_spans import import_tpo
 
-from ..conftest import make_tofu_mirror, read_jsonl
+from ..conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
 
 PALU_TRAIN = Path(sys.executable).parent / "palu-train"
 QUICK_RUN = [
@@ -107,3 +107,49 @@ def test_npo_through_the_same_entry_point(tmp_path, tiny_model_dir, tofu_mirror)
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert len(changed_tensors(tiny_model_dir, out)) > 10
+
+
+METHOD_RUNS = {
+    "PALU": ["experiment=unlearn/tofu/palu", "trainer=PALU"],
+    "TPO": ["experiment=unlearn/tofu/tpo"],
+    "NPO": ["experiment=unlearn/tofu/default", "trainer=NPO"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("method", list(METHOD_RUNS))
+def test_train_then_evaluate_on_this_stack(tmp_path, tiny_model_dir, small_tofu_mirror, shared_dir, method):
+    """palu-train, then palu-eval with the stock TOFU evaluator on the result, for each method."""
+    spans = tmp_path / "forget01.jsonl"
+    import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", spans)
+    spans.write_text("".join(spans.read_text().splitlines(keepends=True)[:EVAL_ROWS]))
+    out = tmp_path / "run"
+    spanned = [f"span_annotations={spans}"] if method != "NPO" else []
+    history, _ = palu_train(
+        [*METHOD_RUNS[method], *spanned, f"task_name={method}_e2e", "++trainer.args.max_steps=2"],
+        small_tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), history
+    assert len(changed_tensors(tiny_model_dir, out)) > 10
+    evaluation = [
+        str(PALU_TRAIN.parent / "palu-eval"),
+        "experiment=eval/tofu/tiny",
+        "+runtime=cpu",
+        "forget_split=forget01",
+        "holdout_split=holdout01",
+        "max_new_tokens=8",
+        f"task_name={method}_eval",
+        f"paths.output_dir={tmp_path / 'eval'}",
+        *(f"model.{args}.pretrained_model_name_or_path={out}" for args in ("model_args", "tokenizer_args")),
+    ]
+    env = {**os.environ, "TOFU_DIR": str(small_tofu_mirror)}
+    result = subprocess.run(evaluation, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    summary = json.loads((tmp_path / "eval" / "TOFU_SUMMARY.json").read_text())
+    for name in ("model_utility", "forget_Q_A_Prob", "forget_Q_A_ROUGE", "forget_truth_ratio"):
+        assert isinstance(summary.get(name), float) and math.isfinite(summary[name]), (name, summary)
+    assert 0 < summary["forget_Q_A_Prob"] < 1

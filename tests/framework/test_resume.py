@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.patches import resuming
 from palu_trainer.framework.resume import checkpoint_to_resume
+from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.framework.stale_weights import remove_stale_weights
 
 from ..conftest import TAG_TEMPLATE
@@ -75,7 +76,7 @@ def palu_run(tmp_path, tiny_model_dir):
             trainer_cfg=trainer_cfg,
             model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-            tokenizer=tokenizer,
+            **tokenizer_keyword(tokenizer),
             data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
             template_args=TAG_TEMPLATE,
         )

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
 
@@ -30,9 +31,11 @@ def make_trainer(tmp_path, tiny_model_dir):
         collator=DataCollatorWithTokenRoles,
         policy=None,
         trainer_class=PALUTrainer,
+        gradient_accumulation_steps=1,
+        model=None,
         **method_args,
     ):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        model = model or AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         forget = span_dataset(
             tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS, n=num_initiating_tokens, **(policy or {})
         )
@@ -41,6 +44,7 @@ def make_trainer(tmp_path, tiny_model_dir):
             output_dir=str(tmp_path / "out"),
             max_steps=max_steps,
             per_device_train_batch_size=3,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             learning_rate=1e-2,
             logging_steps=1,
             report_to=[],
@@ -52,7 +56,7 @@ def make_trainer(tmp_path, tiny_model_dir):
             model=model,
             args=args,
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-            tokenizer=tokenizer,
+            **tokenizer_keyword(tokenizer),
             data_collator=collator(tokenizer, index="index"),
             template_args=TAG_TEMPLATE,
             **method_args,

@@ -14,6 +14,7 @@ from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.spans.tpo_spans import read_tpo
 
 from ..conftest import TAG_TEMPLATE, read_jsonl, tied_and_untied_models
@@ -27,6 +28,7 @@ from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
 from palu_trainer.framework.trainers.tpo import TPOTrainer  # noqa: E402
 
 USERS_VOCABULARY = 32000
+pytestmark = pytest.mark.stack
 STEPS = 3
 # bf16 keeps 8 significant bits: weights, activations and logits are each rounded to 2**-8 relative, and a
 # loss averages hundreds of such logits, so the bf16 run's losses land within a few 2**-8 of the fp32 run's.
@@ -89,7 +91,7 @@ def train(model_dir, method, bf16, forget_rows_and_spans, retain_row, tmp_path, 
         model=model,
         args=args,
         train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-        tokenizer=tokenizer,
+        **tokenizer_keyword(tokenizer),
         data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
         template_args=TAG_TEMPLATE,
         **method_args,

@@ -335,11 +335,12 @@ def test_top_m_kl_is_exact_at_the_reference(kl_direction):
 @pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
 def test_kl_at_the_reference_is_zero_on_a_real_vocabulary_with_large_logits(kl_direction, top_m):
     """|V| = 49152 and logits around 20, as SmolLM2's: Σ p is 1 only to ~1e-5 in fp32, and a KL that
-    multiplied that error by logsumexp(z) (≈ 25) logged -1e-4 for the model against itself."""
+    multiplied that error by logsumexp(z) (≈ 25) logged -1e-4 for the model against itself. The bound is
+    a tenth of that: fp32 rounding alone measured 2.3e-6 on one CPU and below 2e-6 on another."""
     torch.manual_seed(0)
     reference_logits = 20 + 3 * torch.randn(16, 49152)
     kl, _ = kl_and_gradient(kl_from(reference_logits, kl_direction, top_m), reference_logits)
-    assert abs(float(kl)) < 2e-6
+    assert abs(float(kl)) < 1e-5
 
 
 def test_top_m_kl_from_the_reference_is_bounded_by_the_tail_after_a_move():

@@ -39,7 +39,7 @@ from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem, free_port
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework.accelerate_config import write_accelerate_config
-from palu_trainer.framework.checkout import PROJECT_ROOT
+from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
 from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, read_run_stats
 
 BIN = Path(sys.executable).parent
@@ -121,7 +121,7 @@ def requirement_problems(tofu_dir: Path, cpu: bool, gpus: int) -> list[str]:
         absent = [name for name in NEEDED_CONFIGS if name not in available]
         if absent:
             problems.append(f"TOFU: {tofu_dir} lacks the configs {', '.join(absent)}")
-    spans = PROJECT_ROOT / "span_annotations" / "tofu_forget01.jsonl"
+    spans = SPAN_ANNOTATIONS_DIR / "tofu_forget01.jsonl"
     if not spans.is_file():
         problems.append(f"{spans} not found: PALU and TPO read forget01's span annotations from it")
     tools = ["palu-train", "palu-eval"] + (["accelerate"] if gpus >= 2 and not cpu else [])

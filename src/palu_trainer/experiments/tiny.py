@@ -1,11 +1,12 @@
-"""Small models made from scratch: a byte-level BPE tokenizer and a Llama, for tests and offline demos."""
+"""Small models made from scratch: a byte-level BPE tokenizer and a causal LM (Llama by default), for tests
+and offline demos."""
 
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
@@ -57,33 +58,39 @@ def as_llama_style(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def make_tiny_llama(
+def make_tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
     seed: int = 0,
     tie_word_embeddings: bool = False,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama sized to the tokenizer's vocabulary; tied output embeddings as
-    Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B."""
+    model_type: str = "llama",
+    **config_overrides,
+):
+    """A randomly initialised causal LM of `model_type` (llama, qwen3, gemma2, gemma3_text, …: any the
+    installed transformers knows) sized to the tokenizer's vocabulary; tied output embeddings as
+    Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B. `config_overrides` go to its config."""
     import torch
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 4,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tie_word_embeddings,
+        **config_overrides,
     )
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def save_tiny_model(
@@ -93,10 +100,10 @@ def save_tiny_model(
     padded_vocab_size: int | None = None,
     **model_kwargs,
 ) -> Path:
-    """Train a tokenizer on `texts` (see `train_bpe_tokenizer`), build a Llama for it and save both with
-    save_pretrained."""
+    """Train a tokenizer on `texts` (see `train_bpe_tokenizer`), build a model for it (a Llama unless
+    `model_type` says otherwise) and save both with save_pretrained."""
     directory = Path(directory)
     tokenizer = train_bpe_tokenizer(texts, vocab_size, padded_vocab_size)
-    make_tiny_llama(tokenizer, **model_kwargs).save_pretrained(directory)
+    make_tiny_model(tokenizer, **model_kwargs).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

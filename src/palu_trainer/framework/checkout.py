@@ -9,9 +9,14 @@ import os
 import sys
 from pathlib import Path
 
-PINNED_COMMIT = "d3d7cf9e6b3c125d16687d4232680d8d83548f1a"
+TESTED_COMMITS = {"d3d7cf9": "transformers 4.45.1", "4b43848": "transformers 4.51.3 (its PR #175)"}
+# configs/ and span_annotations/: in a wheel, copies inside the package; in a clone, links to the repo's
+# top-level folders (setup.cfg's package_data). Not resolved, so that both read through the package.
+RESOURCES_DIR = Path(__file__).parents[1] / "resources"
+CONFIG_DIR = RESOURCES_DIR / "configs"
+SPAN_ANNOTATIONS_DIR = RESOURCES_DIR / "span_annotations"
+# The clone's root, for the lab (results/, ../shared): meaningless in an installed wheel.
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
-CONFIG_DIR = PROJECT_ROOT / "configs"
 # Where `make setup` records the checkout it used, per Python environment.
 CHECKOUT_RECORD = Path(sys.prefix) / "etc" / "palu_trainer" / "open-unlearning-dir"
 DEFAULT_CHECKOUT = (
@@ -19,10 +24,18 @@ DEFAULT_CHECKOUT = (
 )
 
 
+def is_checkout(path: Path) -> bool:
+    return (path / "src" / "trainer" / "unlearn" / "base.py").is_file()
+
+
 def checkout_dir() -> Path:
-    """OPEN_UNLEARNING_DIR, else the checkout `make setup` recorded, else the default cache dir."""
+    """OPEN_UNLEARNING_DIR; else the working directory if it is a checkout (a user who installed the plugin
+    into their own framework environment runs from their clone); else the checkout `make setup` recorded;
+    else the default cache dir."""
     if os.environ.get("OPEN_UNLEARNING_DIR"):
         return Path(os.environ["OPEN_UNLEARNING_DIR"]).expanduser().resolve()
+    if is_checkout(Path.cwd()):
+        return Path.cwd().resolve()
     if CHECKOUT_RECORD.is_file():
         return Path(CHECKOUT_RECORD.read_text().strip())
     return DEFAULT_CHECKOUT
@@ -31,11 +44,12 @@ def checkout_dir() -> Path:
 def ensure_importable() -> Path:
     """Put the checkout's `src/` on sys.path (as its scripts do) and return that directory."""
     src = checkout_dir() / "src"
-    if not (src / "trainer" / "unlearn" / "base.py").is_file():
+    if not is_checkout(src.parent):
+        tested = ", ".join(f"{commit} with {stack}" for commit, stack in TESTED_COMMITS.items())
         raise RuntimeError(
-            f"open-unlearning not found at {src.parent}. Run `make setup`, or set "
-            "OPEN_UNLEARNING_DIR to a checkout of https://github.com/locuslab/open-unlearning "
-            f"(commit {PINNED_COMMIT})."
+            f"open-unlearning not found at {src.parent}. Run `make setup`, run from your open-unlearning "
+            "checkout, or set OPEN_UNLEARNING_DIR to a checkout of "
+            f"https://github.com/locuslab/open-unlearning (tested: {tested})."
         )
     if str(src) not in sys.path:
         sys.path.insert(0, str(src))

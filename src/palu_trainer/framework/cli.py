@@ -11,9 +11,15 @@ from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-from palu_trainer.framework.patches import checking_data, checking_vocabulary, resuming
+from palu_trainer.framework.patches import (
+    averaging_accumulated_losses,
+    checking_data,
+    checking_vocabulary,
+    resuming,
+)
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
+from palu_trainer.framework.stack import compute_loss_problem, stack_problem
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,9 @@ def run_framework_script(script: str, config_name: str) -> None:
     from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
 
     src = ensure_importable()
+    problem = stack_problem(src)
+    if problem:
+        sys.exit(f"{prog}: {problem}")
     register()
     precheck(prog, script, config_name, src.parent / "configs", sys.argv[1:])
     from palu_trainer.framework.checks import (
@@ -112,6 +121,12 @@ def run_framework_script(script: str, config_name: str) -> None:
             sys.exit(f"{prog}: {error}")
         module.get_model = checking_vocabulary(get_model)
         if load_trainer is not None:
+            from trainer import TRAINER_REGISTRY
+
+            trainer_class = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
+            problem = trainer_class and compute_loss_problem(trainer_class, src)
+            if problem:
+                sys.exit(f"{prog}: {problem}")
             args = cfg.trainer.args
             try:
                 checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
@@ -125,7 +140,9 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
-            module.load_trainer = resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            module.load_trainer = averaging_accumulated_losses(
+                resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            )
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
             module.get_data = checking_data(get_data, cfg)

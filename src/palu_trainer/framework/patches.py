@@ -85,3 +85,27 @@ def checking_data(get_data, cfg):
         return data
 
     return load
+
+
+def averaging_accumulated_losses(load_trainer):
+    """The framework's `load_trainer`, whose trainer divides each micro-batch's loss by the accumulation
+    steps.
+
+    transformers 4.46 and later skip that division for a model whose forward takes `**kwargs` (Llama, Qwen,
+    Gemma on 4.51), expecting `compute_loss` to sum over the batch and divide by `num_items_in_batch`. Every
+    unlearning loss of the framework, PALU's and TPO's are means per micro-batch that ignore it, so with
+    gradient accumulation their gradient would grow with the accumulation steps on 4.51 and not on 4.45:
+    side-by-side runs would differ by stack. This restores the division the pinned stack made.
+    """
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        trainer, trainer_args = load_trainer(*args, **kwargs)
+        if getattr(trainer, "model_accepts_loss_kwargs", False):
+            trainer.model_accepts_loss_kwargs = False
+            logger.info(
+                "loss divided by gradient_accumulation_steps per micro-batch (a mean per micro-batch)"
+            )
+        return trainer, trainer_args
+
+    return load

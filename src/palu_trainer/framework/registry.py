@@ -1,6 +1,7 @@
-"""PALU's classes in open-unlearning's registries, and the `palu_root` resolver its configs use."""
+"""PALU's classes in open-unlearning's registries, and the `palu_root` resolver its configs use (the folder
+holding this plugin's configs/ and span_annotations/, in a clone and in an installed wheel alike)."""
 
-from palu_trainer.framework.checkout import PROJECT_ROOT, ensure_importable
+from palu_trainer.framework.checkout import RESOURCES_DIR, ensure_importable
 
 
 def register() -> None:
@@ -23,4 +24,4 @@ def register() -> None:
     data._register_collator(DataCollatorWithTokenRoles)
     trainer._register_trainer(PALUTrainer)
     trainer._register_trainer(TPOTrainer)
-    OmegaConf.register_new_resolver("palu_root", lambda: str(PROJECT_ROOT), replace=True)
+    OmegaConf.register_new_resolver("palu_root", lambda: str(RESOURCES_DIR), replace=True)

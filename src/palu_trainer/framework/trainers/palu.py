@@ -6,6 +6,8 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
+from palu_trainer.framework.projection import logit_projection
+from palu_trainer.framework.stack import logits_to_keep_keyword
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
 from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.losses import (
@@ -45,8 +47,6 @@ from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 logger = logging.getLogger(__name__)
 
 RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
-# Causal LMs whose logits are exactly lm_head(final hidden state): no logit scaling or softcapping.
-PROJECTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
 
 
@@ -79,8 +79,8 @@ class PALUTrainer(GradDiff):
             instead, and the log says why.
 
     Logits are projected only where a loss reads them (forget: initiating and common positions; retain
-    NLL: label positions), LOGIT_CHUNK_ELEMENTS at a time under activation checkpointing, for models whose
-    logits are a plain output projection (PROJECTABLE_MODEL_TYPES); other models get full logits.
+    NLL: label positions), LOGIT_CHUNK_ELEMENTS at a time under activation checkpointing, for the models
+    whose logits `projection.logit_projection` reproduces; other models get full logits.
 
     Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
     policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
@@ -118,6 +118,9 @@ class PALUTrainer(GradDiff):
             }
         )
         super().__init__(*args, **kwargs)
+        # The loss is a mean over each micro-batch: the Trainer divides it by the accumulation steps itself
+        # (transformers >= 4.46 skips that for models that take loss kwargs, expecting num_items_in_batch).
+        self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
         if self.retain_loss_type not in RETAIN_LOSS_TYPES:
             raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
@@ -132,7 +135,22 @@ class PALUTrainer(GradDiff):
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
         self.reference_cache_max_gib = float(reference_cache_max_gib)
         self.reference_cache_top_m = resolve_top_m(reference_cache_top_m, self.model.config.vocab_size)
-        self.projects_at_positions = self._projects_at_positions()
+        projection, how = logit_projection(self.model)
+        self.projects_at_positions = projection is not None
+        self.logits_to_keep = logits_to_keep_keyword(self.accelerator.unwrap_model(self.model))
+        if not self.projects_at_positions:
+            logger.warning("full logits at every position: %s", how)
+        elif self.logits_to_keep is None:
+            logger.warning(
+                "%s.forward takes neither logits_to_keep nor num_logits_to_keep: every forward also computes "
+                "all positions' logits, which PALU does not read (%s)",
+                type(self.model).__name__,
+                how,
+            )
+        else:
+            logger.info(
+                "logits at the loss positions only (%s=1 in the forward): %s", self.logits_to_keep, how
+            )
         self.logit_chunk_rows = logit_chunk_rows(self.model.config.vocab_size)
         self.uses_reference_cache = self._cache_wanted(reference_cache)
         self.reference_cache = None
@@ -226,31 +244,15 @@ class PALUTrainer(GradDiff):
         )
         return fits
 
-    def _projects_at_positions(self) -> bool:
-        config = self.model.config
-        plain_head = isinstance(self.model.get_output_embeddings(), torch.nn.Linear)
-        if (
-            config.model_type in PROJECTABLE_MODEL_TYPES
-            and plain_head
-            and getattr(config, "pretraining_tp", 1) == 1
-        ):
-            return True
-        logger.warning(
-            "model_type=%s: logits may be scaled or capped after the output projection, so full logits are "
-            "computed at every position (projection at the loss positions only for %s)",
-            config.model_type,
-            ", ".join(PROJECTABLE_MODEL_TYPES),
-        )
-        return False
-
     def _final_hidden(self, model, inputs):
         """Final hidden states (B, T, d) and the outputs, through the (possibly wrapped) model's own forward
         so that DDP and ZeRO-3 hooks run; only the last position's logits are computed there."""
+        keep_one = {self.logits_to_keep: 1} if self.logits_to_keep else {}
         outputs = model(
             input_ids=inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
             output_hidden_states=True,
-            num_logits_to_keep=1,
+            **keep_one,
         )
         return outputs.hidden_states[-1], outputs
 
@@ -259,11 +261,11 @@ class PALUTrainer(GradDiff):
         that ZeRO-3 gathers it, tied embeddings included, and under the accelerator's autocast, since
         mixed precision wraps only `model.forward` (whose outputs it converts to fp32) while the weight
         stays in the model's dtype."""
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        project_unwrapped = logit_projection(self.accelerator.unwrap_model(model))[0]
 
         def project(hidden):
             with self.accelerator.autocast():
-                return head(hidden)
+                return project_unwrapped(hidden)
 
         return project
 
@@ -342,7 +344,7 @@ class PALUTrainer(GradDiff):
             self.kl_direction,
         )
 
-    def compute_loss(self, model, inputs, return_outputs=False):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.uses_reference_cache and self.reference_cache is None:
             self.reference_cache = self._build_reference_cache(model)
         forget = inputs["forget"]
@@ -402,8 +404,9 @@ class PALUTrainer(GradDiff):
         self._term_sums += torch.tensor(values, dtype=torch.float64)
         self._term_batches += 1
 
-    def log(self, logs):
-        """Add the mean of each PALU term since the last training log; token counts are per global batch."""
+    def log(self, logs, *args, **kwargs):
+        """Add the mean of each PALU term since the last training log; token counts are per global batch.
+        (transformers >= 4.47 passes the Trainer's `start_time` too: handed on unchanged.)"""
         if "loss" in logs and self._term_batches:
             totals = torch.cat([self._term_sums, torch.tensor([self._term_batches], dtype=torch.float64)])
             if self.accelerator.num_processes > 1:
@@ -414,4 +417,4 @@ class PALUTrainer(GradDiff):
             logs = {**logs, **{name: round(float(value), 4) for name, value in zip(LOGGED_TERMS, means)}}
             self._term_sums.zero_()
             self._term_batches = 0
-        super().log(logs)
+        super().log(logs, *args, **kwargs)

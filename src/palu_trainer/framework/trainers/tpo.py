@@ -26,6 +26,8 @@ class TPOTrainer(GradDiff):
         self.check_method_args({**kwargs, "beta": beta})
         self.beta = beta
         super().__init__(*args, **kwargs)
+        # A mean per micro-batch, as PALU's: the Trainer divides it by the accumulation steps (PALUTrainer)
+        self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
@@ -38,7 +40,7 @@ class TPOTrainer(GradDiff):
         if "beta" in options:
             check_beta(options["beta"])
 
-    def compute_loss(self, model, inputs, return_outputs=False):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         forget = inputs["forget"]
         forward_inputs = {"input_ids": forget["input_ids"], "attention_mask": forget["attention_mask"]}
         forget_outputs = model(**forward_inputs)

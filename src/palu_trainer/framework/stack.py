@@ -1,0 +1,113 @@
+"""The framework-and-transformers stack this process runs on: what it supports, detected, never pinned.
+
+Two framework states are tested (docs/setup.md): open-unlearning at d3d7cf9 with transformers 4.45.1, and
+after its PR #175 (4b43848) with transformers 4.51.3. They differ in what a trainer sees: #175's
+`load_trainer` passes `processing_class=` to `Trainer.__init__` (transformers 4.46 added it), the 4.51
+Trainer calls `compute_loss(..., num_items_in_batch=)` and `log(logs, start_time)`, and the forward's
+keyword that keeps the last positions' logits is `logits_to_keep` (4.50) where it was `num_logits_to_keep`.
+Every such difference is read off the installed code here, so a newer release that keeps an interface
+keeps working, and a combination that cannot work is named with its fix before anything loads.
+"""
+
+import inspect
+import re
+from pathlib import Path
+
+import transformers
+
+# The framework's train.py and its stock trainers import names that transformers 5 removed
+# (AutoModelForVision2Seq); its PR #191 targets 5.x. Until a framework commit declares a 5.x pin, refuse it.
+FIRST_UNSUPPORTED_MAJOR = 5
+PROCESSING_CLASS_SINCE = "4.46"
+
+
+def transformers_version() -> str:
+    return transformers.__version__
+
+
+def trainer_takes_processing_class() -> bool:
+    """Whether `transformers.Trainer.__init__` has `processing_class` (4.46 and later)."""
+    return "processing_class" in inspect.signature(transformers.Trainer.__init__).parameters
+
+
+def tokenizer_keyword(tokenizer) -> dict:
+    """The Trainer keyword that hands it the tokenizer on this transformers: processing_class or tokenizer."""
+    return {"processing_class" if trainer_takes_processing_class() else "tokenizer": tokenizer}
+
+
+def logits_to_keep_keyword(model) -> str | None:
+    """The keyword of `model.forward` that computes logits at the last positions only, or None.
+
+    transformers 4.50 renamed `num_logits_to_keep` to `logits_to_keep` (4.51's Llama still takes both through
+    `**kwargs`, 5.x only the new one); a model whose forward names neither computes every position's logits.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in parameters:
+            return name
+    return None
+
+
+def framework_passes_processing_class(framework_src: Path) -> bool:
+    """Whether the framework's `load_trainer` (src/trainer/__init__.py) passes `processing_class`."""
+    source = (framework_src / "trainer" / "__init__.py").read_text()
+    return "processing_class=processing_class" in source
+
+
+def framework_transformers_pin(framework_src: Path) -> str | None:
+    """The transformers version the framework's requirements.txt pins, if it pins one."""
+    requirements = framework_src.parent / "requirements.txt"
+    if not requirements.is_file():
+        return None
+    match = re.search(r"^transformers\s*==\s*([\w.]+)", requirements.read_text(), re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def stack_problem(framework_src: Path) -> str | None:
+    """Why this transformers cannot run the framework checkout at `framework_src`, with the fix; else None."""
+    installed = transformers_version()
+    pin = framework_transformers_pin(framework_src)
+    checkout = framework_src.parent
+    fix = (
+        f"install the version its requirements.txt names: pip install 'transformers=={pin}'"
+        if pin
+        else "install the transformers version its requirements.txt names"
+    )
+    if int(installed.split(".")[0]) >= FIRST_UNSUPPORTED_MAJOR:
+        return (
+            f"transformers {installed} is installed, but open-unlearning at {checkout} (transformers "
+            f"{pin or 'unpinned'}) does not import on transformers {FIRST_UNSUPPORTED_MAJOR}.x; {fix}"
+        )
+    if framework_passes_processing_class(framework_src) and not trainer_takes_processing_class():
+        return (
+            f"open-unlearning at {checkout} passes processing_class= to the Trainer (its transformers "
+            f"{pin or 'pin'}), which transformers {installed} does not have (added in "
+            f"{PROCESSING_CLASS_SINCE}); {fix}, or check out a framework commit from before its PR #175 "
+            "(d3d7cf9 runs on 4.45.1)"
+        )
+    return None
+
+
+def training_loop_passes_num_items() -> bool:
+    """Whether `Trainer.training_step` calls `compute_loss(..., num_items_in_batch=)` (4.46 and later)."""
+    return "num_items_in_batch" in inspect.signature(transformers.Trainer.training_step).parameters
+
+
+def compute_loss_problem(trainer_class, framework_src: Path) -> str | None:
+    """Why this transformers' training loop cannot call `trainer_class.compute_loss`, with the fix; else None.
+
+    The framework's stock trainers before its PR #175 take no `num_items_in_batch`, which every step of
+    transformers 4.46 and later passes: the framework at d3d7cf9 needs its own transformers 4.45.1.
+    """
+    if not training_loop_passes_num_items():
+        return None
+    parameters = inspect.signature(trainer_class.compute_loss).parameters.values()
+    if any(p.name == "num_items_in_batch" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    pin = framework_transformers_pin(framework_src)
+    return (
+        f"{trainer_class.__name__}.compute_loss takes no num_items_in_batch, which transformers "
+        f"{transformers_version()} passes at every step (since 4.46), while open-unlearning at "
+        f"{framework_src.parent} pins transformers {pin or '(unpinned)'}: install that "
+        f"(pip install 'transformers=={pin}'), or move the framework to its PR #175 (4b43848) or later"
+    )

@@ -1,0 +1,161 @@
+"""The plugin as users install it: a wheel built from the repo, installed into a fresh environment outside the
+repo, runs palu-train, palu-eval and palu-annotate from another directory with the configs and span files it
+carries (no clone of this repo on the path).
+
+The fresh environment reaches the framework's requirements (torch, transformers, ...) through a .pth line to
+this environment's site-packages, whose own .pth files (this repo's editable install) are not processed
+there: only the wheel provides palu_trainer and the Hydra search-path plugin.
+"""
+
+import json
+import math
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from palu_trainer.framework.checkout import checkout_dir
+
+from .conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+    ]
+    subprocess.run([*command, str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    (built,) = out.glob("palu_trainer-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A new venv with the wheel installed; the framework's requirements reached through a .pth line."""
+    env = tmp_path_factory.mktemp("env")
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
+    python = env / "bin" / "python"
+    packages = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(packages) / "framework_requirements.pth").write_text(site.getsitepackages()[0] + "\n")
+    install = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, text=True, timeout=300)
+    return env
+
+
+def test_the_wheel_carries_the_configs_and_span_files_and_no_link(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        f"palu_trainer/resources/{path.relative_to(ROOT)}"
+        for folder, pattern in (("configs", "**/*.yaml"), ("span_annotations", "*.jsonl"))
+        for path in (ROOT / folder).glob(pattern)
+    }
+    assert len(expected) > 20 and expected <= names, sorted(expected - names)
+    assert "palu_trainer/resources/configs/trainer/PALU.yaml" in names
+    assert "hydra_plugins/palu_trainer_searchpath/searchpath.py" in names
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = archive.read("palu_trainer/resources/span_annotations/tofu_forget01.jsonl")
+    assert shipped == (ROOT / "span_annotations" / "tofu_forget01.jsonl").read_bytes()
+
+
+def test_palu_train_eval_and_annotate_from_the_installed_wheel(
+    installed, tmp_path, tiny_model_dir, small_tofu_mirror, tofu_dir
+):
+    """PALU with the span file the wheel carries (its default), its evaluation, and a span file check."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {
+        "PATH": f"{installed / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "OPEN_UNLEARNING_DIR": str(checkout_dir()),
+        "OMP_NUM_THREADS": "1",
+    }
+
+    def run(*command):
+        result = subprocess.run(command, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        return result.stdout + result.stderr
+
+    where = run(
+        "python",
+        "-c",
+        "import palu_trainer, hydra_plugins.palu_trainer_searchpath as plugin\n"
+        "print(palu_trainer.__file__, plugin.__file__)",
+    )
+    assert where.count(str(installed)) == 2 and str(ROOT) not in where
+    model = [
+        f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
+        for args in ("model_args", "tokenizer_args")
+    ]
+    splits = ["forget_split=forget01", "holdout_split=holdout01", "+runtime=cpu", "model=tiny-llama"]
+    training = [
+        "--config-name=unlearn.yaml",
+        "experiment=unlearn/tofu/palu",
+        "retain_split=retain99",
+        "task_name=wheel",
+        *splits,
+    ]
+    composed = run("palu-train", *training, "--cfg", "job", "--resolve")
+    shipped = f"{where.split()[0].rsplit('/', 1)[0]}/resources/span_annotations/tofu_forget01.jsonl"
+    assert f"span_annotations: {shipped}" in composed
+    # the whole forget01 for the shipped span file (made for its 40 rows), the small sets for the evaluation
+    retain = read_jsonl(tofu_dir / "retain99.json")
+    env["TOFU_DIR"] = str(make_tofu_mirror(tmp_path / "tofu", tofu_dir, {"holdout01": retain[:40]}))
+    run(
+        "palu-train",
+        *training,
+        *model,
+        "++trainer.args.max_steps=2",
+        "trainer.args.per_device_train_batch_size=4",
+        "trainer.args.gradient_accumulation_steps=1",
+        "trainer.args.logging_steps=1",
+        "trainer.args.eval_strategy=no",
+        "trainer.args.report_to=none",
+        f"paths.output_dir={tmp_path / 'run'}",
+    )
+    env["TOFU_DIR"] = str(small_tofu_mirror)
+    history = json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
+    steps = [entry for entry in history if "local_loss" in entry]
+    assert len(steps) == 2 and all(
+        math.isfinite(entry["loss"]) and entry["n_initiating"] > 0 for entry in steps
+    )
+    run(
+        "palu-eval",
+        "experiment=eval/tofu/tiny",
+        *splits,
+        *[
+            f"model.{args}.pretrained_model_name_or_path={tmp_path / 'run'}"
+            for args in ("model_args", "tokenizer_args")
+        ],
+        "max_new_tokens=8",
+        "task_name=wheel_eval",
+        f"paths.output_dir={tmp_path / 'eval'}",
+    )
+    summary = json.loads((tmp_path / "eval" / "TOFU_SUMMARY.json").read_text())
+    assert math.isfinite(summary["model_utility"]) and 0 < summary["forget_Q_A_Prob"] < 1
+    rows = tmp_path / "forget01_rows.json"
+    rows.write_text("".join((tofu_dir / "forget01.json").read_text().splitlines(keepends=True)[:EVAL_ROWS]))
+    spans = tmp_path / "spans.jsonl"
+    run("palu-annotate", "annotate", "--dataset", str(rows), "--out", str(spans))
+    checked = run("palu-annotate", "validate", "--dataset", str(rows), str(spans))
+    assert len(spans.read_text().splitlines()) == EVAL_ROWS
+    assert f"{spans}: {EVAL_ROWS} rows match the dataset" in checked
