@@ -22,7 +22,7 @@ from palu_trainer.framework.checkout import checkout_dir
 from .conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.stack]
+pytestmark = pytest.mark.slow  # the whole suite, on the default stack: the wheel is the same on both
 
 
 @pytest.fixture(scope="module")
