@@ -20,7 +20,7 @@ from palu_trainer.experiments.tiny import make_tiny_model
 from palu_trainer.framework.projection import PROJECTED_MODEL_TYPES, SOFTCAPPED_MODEL_TYPES, logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 
-from .test_trainer import drift, loss_and_gradients, make_trainer  # noqa: F401  (the fixture)
+from .test_trainer import drift, loss_and_gradients
 
 # Gemma 3's config caps no logits by default; a config can ask for it, as Gemma 2's does (30).
 CONFIG_OVERRIDES = {
@@ -88,7 +88,7 @@ def test_forward_computes_one_position_when_asked(tokenizer, model_type):
     assert logits.shape == (1, 1, len(tokenizer))
 
 
-def test_other_architectures_fall_back_to_full_logits_and_say_why(make_trainer, tokenizer, caplog):  # noqa: F811
+def test_other_architectures_fall_back_to_full_logits_and_say_why(make_trainer, tokenizer, caplog):
     model = make_tiny_model(tokenizer, model_type="gpt2")
     project, why = logit_projection(model)
     assert project is None
@@ -101,7 +101,7 @@ def test_other_architectures_fall_back_to_full_logits_and_say_why(make_trainer, 
     assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
 
 
-def test_palu_step_at_positions_is_the_full_logits_step(make_trainer, tokenizer, model_type, tied):  # noqa: F811
+def test_palu_step_at_positions_is_the_full_logits_step(make_trainer, tokenizer, model_type, tied):
     """Loss and gradients; and every forward of the policy in the step returns one position's logits."""
     fast, full = (
         make_trainer(model=tiny(tokenizer, model_type, tied), top_k=64, reference_cache=False) for _ in "ab"

@@ -20,7 +20,7 @@ from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.local_mirrors import redirect_to_local_mirrors
 from palu_trainer.framework.registry import register
 
-from ..conftest import make_tofu_mirror, read_jsonl
+from ..conftest import make_tofu_mirror
 
 BIN = Path(sys.executable).parent
 SPANS = Path(__file__).resolve().parents[2] / "span_annotations"
@@ -140,6 +140,134 @@ def test_config_checks_name_the_option_and_the_fix(overrides, message, bad_place
     assert len(problems) == 1 and re.search(message, problems[0]), problems
 
 
+# The third sweep (issue 29): the Trainer's numeric and named arguments, the stock trainers' method_args and
+# settings that train nothing. Before it, each loaded the model and then failed with a traceback, or
+# trained and saved the original model with exit 0.
+STOCK = "experiment=unlearn/tofu/default"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["trainer.args.gradient_accumulation_steps=0"],
+            r"gradient_accumulation_steps=0: must be an integer >= 1",
+        ),
+        (
+            ["trainer.args.per_device_train_batch_size=0"],
+            r"per_device_train_batch_size=0: must be an integer >= 1",
+        ),
+        (
+            ["trainer.args.per_device_train_batch_size=2.5"],
+            r"per_device_train_batch_size=2\.5: must be an integer",
+        ),
+        (
+            ["trainer.args.learning_rate=0"],
+            r"learning_rate=0: must be a number > 0 \(0 trains nothing and saves",
+        ),
+        (["trainer.args.learning_rate=-1.0e-5"], r"learning_rate=-1e-05: .*a negative rate ascends every"),
+        (["trainer.args.learning_rate=abc"], r"learning_rate='abc': must be a number > 0"),
+        (["trainer.args.num_train_epochs=0"], r"num_train_epochs=0: must be a number > 0 \(0 trains nothing"),
+        (["trainer.args.warmup_ratio=2"], r"warmup_ratio=2: must be a number >= 0 and <= 1"),
+        (["+trainer.args.warmup_steps=-3"], r"warmup_steps=-3: must be an integer >= 0"),
+        (["trainer.args.weight_decay=-0.1"], r"weight_decay=-0\.1: must be a number >= 0"),
+        (["+trainer.args.adam_beta1=1.5"], r"adam_beta1=1\.5: must be a number >= 0 and < 1"),
+        (["+trainer.args.adam_epsilon=0"], r"adam_epsilon=0: must be a number > 0 .*divides by zero"),
+        (
+            ["+trainer.args.max_grad_norm=-1"],
+            r"max_grad_norm=-1: must be a number >= 0 \(.*0 turns clipping off",
+        ),
+        (["trainer.args.logging_steps=0"], r"logging_steps=0: must be a number > 0"),
+        (
+            ["trainer.args.save_strategy=steps", "+trainer.args.save_steps=0"],
+            r"save_steps=0: must be a number > 0",
+        ),
+        (
+            ["+trainer.args.save_total_limit=0"],
+            r"save_total_limit=0: must be an integer >= 1 \(.*null keeps all",
+        ),
+        (["trainer.args.seed=-1"], r"seed=-1: must be an integer >= 0 and <= 4294967295"),
+        (["+trainer.args.dataloader_num_workers=-1"], r"dataloader_num_workers=-1: must be an integer >= 0"),
+        (
+            ["+trainer.args.lr_scheduler_type=linar"],
+            r"lr_scheduler_type='linar' is not a choice of transformers: did you mean linear\?",
+        ),
+        (
+            ["trainer.args.optim=adamw_torc"],
+            r"optim='adamw_torc' is not a choice .*did you mean adamw_torch\?",
+        ),
+        (["trainer.args.save_strategy=sometimes"], r"save_strategy='sometimes' is not a choice"),
+        (
+            ["trainer.method_args.gamma=0", "trainer.method_args.alpha=0"],
+            r"^trainer\.method_args\.gamma=0 with alpha=0: every term of the loss has weight 0, so the run "
+            r"trains nothing",
+        ),
+        (
+            ["trainer.method_args.gamma=0", "trainer.method_args.retain_loss_type=none"],
+            r"gamma=0 with retain_loss_type=none: every term of the loss has weight 0",
+        ),
+        (
+            ["trainer.method_args.reference_cache_top_m=0"],
+            r"reference_cache_top_m=0: give a positive integer m",
+        ),
+        (
+            ["trainer.method_args.reference_cache=maybe"],
+            r"reference_cache='maybe'; choose one of auto, true, false",
+        ),
+        (["trainer.method_args.target_gradient=1"], r"target_gradient=1; choose one of true, false"),
+        (["trainer.method_args.top_k=-3"], r"top_k=-3: give a positive integer K, `all`, or a share"),
+        (
+            ["trainer.method_args.retain_loss_type=MSE"],
+            r"retain_loss_type='MSE'; choose one of NLL, KL, none",
+        ),
+        (
+            [STOCK, "trainer=NPO", "trainer.method_args.beta=0"],
+            r"beta=0: must be a number > 0 \(NPO's temperature; 0 divides",
+        ),
+        (
+            [STOCK, "trainer=SimNPO", "trainer.method_args.beta=-1"],
+            r"beta=-1: must be a number > 0 \(SimNPO's",
+        ),
+        ([STOCK, "trainer=NPO", "trainer.method_args.alpha=-1"], r"alpha=-1: must be a number >= 0"),
+        (
+            [STOCK, "trainer=GradDiff", "trainer.method_args.retain_loss_type=MSE"],
+            r"retain_loss_type='MSE': GradDiff computes NLL or KL",
+        ),
+        (
+            [STOCK, "trainer=GradDiff", "trainer.method_args.gamma=0", "trainer.method_args.alpha=0"],
+            r"gamma=0 with alpha=0: every term of the loss has weight 0",
+        ),
+    ],
+)
+def test_trainer_arguments_and_settings_that_train_nothing_are_refused(overrides, message, tmp_path):
+    import re
+
+    experiment = next((o for o in overrides if o.startswith("experiment=")), "experiment=unlearn/tofu/palu")
+    rest = [o for o in overrides if not o.startswith("experiment=")]
+    cfg, config_problems = composed(
+        [experiment, "task_name=t", f"paths.output_dir={tmp_path / 'out'}", *rest]
+    )
+    problems = config_problems(cfg, "train")
+    assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_settings_with_a_real_use_are_warned_about(tmp_path):
+    from palu_trainer.framework.checks import CONFIG_WARNINGS
+
+    def warnings(*overrides):
+        cfg, config_problems = composed(
+            ["experiment=unlearn/tofu/palu", f"paths.output_dir={tmp_path}", *overrides]
+        )
+        assert config_problems(cfg, "train") == []
+        return config_problems(cfg, "train", CONFIG_WARNINGS)
+
+    assert warnings() == []
+    (retain_only,) = warnings("trainer.method_args.gamma=0")
+    assert "only fine-tunes on the retain set and unlearns nothing (a control run)" in retain_only
+    (no_training,) = warnings("trainer.args.do_train=false")
+    assert "do_train=false: the run trains nothing and saves no model" in no_training
+
+
 def test_good_configs_pass_the_checks(tmp_path):
     for overrides in (
         [],
@@ -147,6 +275,12 @@ def test_good_configs_pass_the_checks(tmp_path):
         ["initiating_strategy=random_n", "num_initiating_tokens=1", "initiating_seed=4"],
         ["trainer=TPO", "trainer.method_args.gamma=0"],
         ["trainer=PALU_release", "+trainer.args.max_steps=5"],
+        [
+            "+trainer.args.max_grad_norm=0",
+            "+trainer.args.save_total_limit=null",
+            "trainer.args.logging_steps=0.1",
+        ],
+        ["trainer.args.save_strategy='no'", "+trainer.args.save_steps=0", "trainer.method_args.top_k=all"],
     ):
         cfg, config_problems = composed(
             ["experiment=unlearn/tofu/palu", "task_name=t", f"paths.output_dir={tmp_path}", *overrides]
@@ -278,12 +412,6 @@ def test_runtime_without_plus_is_explained():
 
 
 # End to end: palu-train and palu-eval stop with exit 1 and the message, before the reference cache.
-
-
-@pytest.fixture(scope="module")
-def tofu_mirror(tmp_path_factory, tofu_dir):
-    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
-    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})
 
 
 def run(command, overrides, tofu_mirror, model_dir, out_dir, script="palu-train", **environ):

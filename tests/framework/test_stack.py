@@ -18,8 +18,6 @@ from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.trainers.palu import PALUTrainer
 from palu_trainer.framework.trainers.tpo import TPOTrainer
 
-from .test_trainer import make_trainer  # noqa: F401  (the fixture)
-
 ROOT = Path(__file__).resolve().parents[2]
 # What each tested framework commit's requirements.txt pins, of the libraries the plugin also requires.
 TESTED_PINS = {
@@ -56,7 +54,7 @@ def test_the_installed_stack_is_one_the_checkout_runs():
 
 
 @pytest.mark.parametrize("method", ["PALU", "TPO"])
-def test_a_step_through_the_installed_trainer(make_trainer, method):  # noqa: F811
+def test_a_step_through_the_installed_trainer(make_trainer, method):
     """transformers 4.51's training loop calls compute_loss(..., num_items_in_batch=) and log(logs, start)."""
     trainer_class = {"PALU": PALUTrainer, "TPO": TPOTrainer}[method]
     method_args = {"top_k": 64} if method == "PALU" else {}
@@ -70,7 +68,7 @@ def test_a_step_through_the_installed_trainer(make_trainer, method):  # noqa: F8
 
 
 @pytest.mark.parametrize("method", ["PALU", "TPO"])
-def test_accumulated_micro_batches_are_averaged(make_trainer, method):  # noqa: F811
+def test_accumulated_micro_batches_are_averaged(make_trainer, method):
     """With 2 accumulation steps, one micro-batch's gradient is half its loss's gradient on both stacks
     (transformers 4.51 skips the division for models whose forward takes **kwargs)."""
     trainer_class = {"PALU": PALUTrainer, "TPO": TPOTrainer}[method]

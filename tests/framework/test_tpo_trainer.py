@@ -7,10 +7,8 @@ from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.trainers.tpo import TPOTrainer
 from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
 
-from .test_trainer import make_trainer  # noqa: F401  (the fixture)
 
-
-def test_loss_is_preference_plus_preservation_plus_retain(make_trainer):  # noqa: F811
+def test_loss_is_preference_plus_preservation_plus_retain(make_trainer):
     trainer = make_trainer(trainer_class=TPOTrainer, beta=0.5, alpha=2.0)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
     forget, retain = batch["forget"], batch["retain"]
@@ -27,7 +25,7 @@ def test_loss_is_preference_plus_preservation_plus_retain(make_trainer):  # noqa
     torch.testing.assert_close(loss, preference + preservation + 2.0 * retain_nll, rtol=1e-6, atol=1e-6)
 
 
-def test_training_lowers_the_preference_loss_and_keeps_the_reference(make_trainer):  # noqa: F811
+def test_training_lowers_the_preference_loss_and_keeps_the_reference(make_trainer):
     trainer = make_trainer(max_steps=3, trainer_class=TPOTrainer)
     reference_before = {name: p.detach().clone() for name, p in trainer.ref_model.named_parameters()}
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])["forget"]
@@ -45,7 +43,7 @@ def test_training_lowers_the_preference_loss_and_keeps_the_reference(make_traine
         assert torch.equal(parameter, reference_before[name]), name
 
 
-def test_forget_batches_without_roles_are_rejected(make_trainer):  # noqa: F811
+def test_forget_batches_without_roles_are_rejected(make_trainer):
     ensure_importable()
     from data.collators import DataCollatorForSupervisedDataset
 

@@ -4,65 +4,14 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
 
-from ..conftest import TAG_TEMPLATE
-from .test_datasets import QA_ROWS, QA_SPANS, span_dataset
-
 ensure_importable()
-from data.unlearn import ForgetRetainDataset  # noqa: E402
 
-from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
 from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
-
-
-@pytest.fixture
-def make_trainer(tmp_path, tiny_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-
-    def build(
-        max_steps=3,
-        num_initiating_tokens=3,
-        collator=DataCollatorWithTokenRoles,
-        policy=None,
-        trainer_class=PALUTrainer,
-        gradient_accumulation_steps=1,
-        model=None,
-        **method_args,
-    ):
-        model = model or AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        forget = span_dataset(
-            tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS, n=num_initiating_tokens, **(policy or {})
-        )
-        retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS)
-        args = TrainingArguments(
-            output_dir=str(tmp_path / "out"),
-            max_steps=max_steps,
-            per_device_train_batch_size=3,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            learning_rate=1e-2,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            remove_unused_columns=False,
-        )
-        return trainer_class(
-            model=model,
-            args=args,
-            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-            **tokenizer_keyword(tokenizer),
-            data_collator=collator(tokenizer, index="index"),
-            template_args=TAG_TEMPLATE,
-            **method_args,
-        )
-
-    return build
 
 
 def test_training_moves_the_model_and_never_the_reference(make_trainer):
@@ -300,7 +249,7 @@ def test_bad_top_k_and_kl_weight_stop_before_training(make_trainer, method_args,
     ("method_args", "message"),
     [
         ({"target": "median"}, "choose one of global_mean, topk_mean, ref_mean, uniform, zero"),
-        ({"target_gradient": "yes"}, "target_gradient='yes'; choose true or false"),
+        ({"target_gradient": "yes"}, "target_gradient='yes'; choose one of true, false"),
         ({"kl_direction": "forward"}, "kl_direction='forward'; choose one of ref_to_policy, policy_to_ref"),
         (
             {"merge_adjacent_spans": True},
@@ -308,7 +257,7 @@ def test_bad_top_k_and_kl_weight_stop_before_training(make_trainer, method_args,
         ),
         ({"retain_loss_type": "L2"}, "retain_loss_type='L2'"),
         ({"reference_cache_dtype": "int8"}, "choose one of"),
-        ({"reference_cache": "yes"}, "choose auto, true or false"),
+        ({"reference_cache": "yes"}, "reference_cache='yes'; choose one of auto, true, false"),
         ({"reference_cache_top_m": 0}, "reference_cache_top_m=0: give a positive integer m"),
     ],
 )

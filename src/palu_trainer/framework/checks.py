@@ -11,6 +11,7 @@
 """
 
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -21,7 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import Trainer, TrainerCallback
 
 from palu_trainer.framework.datasets import check_max_length
+from palu_trainer.framework.run_guard import failed_run_problem
+from palu_trainer.framework.training_arguments import (
+    forget_weight_problem,
+    forget_weight_warning,
+    no_training_warning,
+    training_arguments_problem,
+)
 from palu_trainer.method.initiating import InitiatingPolicy
+from palu_trainer.method.losses import check_loss_weights, check_number
 
 
 class BadInput(ValueError):
@@ -104,6 +113,9 @@ def model_path_problem(cfg, script) -> str | None:
             continue  # a hub id
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
+        failed = failed_run_problem(key, path)
+        if failed:
+            return failed
         if any((path / name).is_file() for name in files):
             continue
         checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1] or 0))
@@ -169,13 +181,37 @@ def method_args_problem(cfg, script) -> str | None:
                 f"trainer.method_args.{key} is not an option of {handler}: {suggestion}its options are "
                 f"{', '.join(sorted(method))}"
             )
-    check = getattr(cls, "check_method_args", None)
-    if check is not None:
-        try:
-            check(options)
-        except ValueError as error:
-            return f"trainer.method_args.{error}"
+    check = getattr(cls, "check_method_args", None) or functools.partial(check_stock_method_args, cls)
+    try:
+        check(options)
+    except ValueError as error:
+        return f"trainer.method_args.{error}"
     return None
+
+
+# Stock trainers whose beta is a temperature that divides the loss (-2/beta · logsigmoid(...)).
+BETA_DIVIDES = {"NPO", "SimNPO", "DPO"}
+
+
+def check_stock_method_args(cls, options: dict) -> None:
+    """The framework's trainers check no values: the loss weights, NPO's/SimNPO's/DPO's beta and
+    GradDiff's retain loss, which would otherwise fail at the first step or train the wrong thing."""
+    from trainer.unlearn.grad_diff import GradDiff
+
+    check_loss_weights(options)
+    names = {klass.__name__ for klass in cls.__mro__}
+    if "beta" in options and names & BETA_DIVIDES:
+        check_number(
+            "beta", options["beta"], f"{cls.__name__}'s temperature; 0 divides by zero", exclusive=True
+        )
+    if issubclass(cls, GradDiff) and options.get("retain_loss_type", "NLL") not in STOCK_RETAIN_LOSSES:
+        raise ValueError(
+            f"retain_loss_type={options['retain_loss_type']!r}: {cls.__name__} computes "
+            f"{' or '.join(STOCK_RETAIN_LOSSES)} on the retain set; choose one of them"
+        )
+
+
+STOCK_RETAIN_LOSSES = ("NLL", "KL")
 
 
 def trainer_data_problem(cfg, script) -> str | None:
@@ -229,17 +265,27 @@ CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
     (("train", "eval"), model_path_problem),
     (("train",), max_steps_problem),
+    (("train",), training_arguments_problem),
     (("train",), method_args_problem),
+    (("train",), forget_weight_problem),
     (("train",), trainer_data_problem),
     (("train",), max_length_problem),
     (("train",), initiating_problem),
 )
 
 
-def config_problems(cfg, script: str) -> list[str]:
-    """Every problem `CONFIG_CHECKS` finds in a composed config (with its `hydra` node)."""
+# Settings with a real use that still surprise: warned about before the job starts.
+CONFIG_WARNINGS = (
+    (("train",), forget_weight_warning),
+    (("train",), no_training_warning),
+)
+
+
+def config_problems(cfg, script: str, checks=CONFIG_CHECKS) -> list[str]:
+    """Every problem `checks` (`CONFIG_CHECKS`, or `CONFIG_WARNINGS`) finds in a composed config (with its
+    `hydra` node)."""
     problems = []
-    for scripts, check in CONFIG_CHECKS:
+    for scripts, check in checks:
         if script in scripts:
             problem = check(cfg, script)
             if problem:

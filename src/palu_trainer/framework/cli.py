@@ -15,6 +15,7 @@ from palu_trainer.framework.patches import (
     averaging_accumulated_losses,
     checking_data,
     checking_vocabulary,
+    guarding,
     resuming,
 )
 from palu_trainer.framework.registry import register
@@ -56,7 +57,7 @@ def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv) -
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
 
-    from palu_trainer.framework.checks import argv_problem, config_problems
+    from palu_trainer.framework.checks import CONFIG_WARNINGS, argv_problem, config_problems
 
     problem = argv_problem(argv)
     if problem:
@@ -71,10 +72,13 @@ def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv) -
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
             cfg = compose(args.config_name or config_name, overrides=args.overrides, return_hydra_config=True)
         problems = config_problems(cfg, script)
+        warnings = config_problems(cfg, script, CONFIG_WARNINGS)
     except Exception:  # noqa: BLE001 (a config Hydra cannot compose: Hydra's own run reports it)
         return
     if problems:
         sys.exit("\n".join(f"{prog}: {problem}" for problem in problems))
+    for warning in warnings:
+        print(f"{prog}: WARNING: {warning}", file=sys.stderr)
 
 
 def run_framework_script(script: str, config_name: str) -> None:
@@ -88,6 +92,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         print(usage(prog, script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
+    argv = sys.argv[1:]  # before Hydra: for the resume command a preempted run prints
     from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
 
     src = ensure_importable()
@@ -102,6 +107,8 @@ def run_framework_script(script: str, config_name: str) -> None:
         cpu_runtime_missing,
         mid_epoch_warning,
     )
+    from palu_trainer.framework.run_guard import RunStopped
+    from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
 
     module = importlib.import_module(script)
     framework_main = module.main.__wrapped__
@@ -140,8 +147,12 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
-            module.load_trainer = averaging_accumulated_losses(
-                resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+            module.load_trainer = guarding(
+                averaging_accumulated_losses(
+                    resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+                ),
+                argv,
+                bool(cfg.get(ALLOW_LOW_DISK, False)),
             )
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
@@ -151,6 +162,9 @@ def run_framework_script(script: str, config_name: str) -> None:
             release_process_group()
         except BadInput as error:
             sys.exit(f"{prog}: {error}")
+        except RunStopped as error:
+            print(f"{prog}: {error}", file=sys.stderr)
+            sys.exit(error.exit_code)
         except Exception as error:
             hint = hub_hint(error)
             if hint:

@@ -136,6 +136,16 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
+def check_choice(name: str, value, choices: tuple):
+    """`value` of option `name`, one of `choices` (true/false written as YAML booleans)."""
+    if not any(type(value) is type(choice) and value == choice for choice in choices):  # 1 is not true
+        written = ", ".join(
+            str(choice).lower() if isinstance(choice, bool) else str(choice) for choice in choices
+        )
+        raise ValueError(f"{name}={value!r}; choose one of {written}")
+    return value
+
+
 def check_target(target: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown local-loss target c={target!r}; choose one of {', '.join(TARGETS)}")
@@ -188,6 +198,18 @@ def check_loss_weights(options: dict) -> None:
             check_number(name, options[name], meaning)
 
 
+def check_top_k(top_k):
+    """`top_k` as written: a positive integer, `all`, or a float share of |V| in (0, 1]."""
+    integer = isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1
+    share = isinstance(top_k, float) and 0 < top_k <= 1
+    if not (top_k == "all" or integer or share):
+        raise ValueError(
+            f"top_k={top_k!r}: give a positive integer K, `all`, or a share of the vocabulary in (0, 1] "
+            f"(e.g. 0.15625, the paper's K=5000 of Llama-2's 32000)"
+        )
+    return top_k
+
+
 def resolve_top_k(top_k, vocab_size: int) -> int:
     """K as used, from `top_k`: a positive integer (capped at |V|), `all` (|V|) or a float share of |V|.
 
@@ -195,17 +217,13 @@ def resolve_top_k(top_k, vocab_size: int) -> int:
     32000 tokens. The resolved K is logged; K = |V| warns that the local loss then flattens the whole
     vocabulary (a PDU-like objective), not a top-K.
     """
+    check_top_k(top_k)
     if top_k == "all":
         k = vocab_size
-    elif isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1:
+    elif isinstance(top_k, int):
         k = min(top_k, vocab_size)
-    elif isinstance(top_k, float) and 0 < top_k <= 1:
-        k = max(1, round(top_k * vocab_size))
     else:
-        raise ValueError(
-            f"top_k={top_k!r}: give a positive integer K, `all`, or a share of the vocabulary in (0, 1] "
-            f"(e.g. 0.15625, the paper's K=5000 of Llama-2's 32000)"
-        )
+        k = max(1, round(top_k * vocab_size))
     logger.info(
         "top_k=%s: K=%d of |V|=%d (%.2f%% of the vocabulary)", top_k, k, vocab_size, 100 * k / vocab_size
     )

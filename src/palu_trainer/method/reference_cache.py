@@ -28,14 +28,19 @@ def cache_dtype(name: str) -> torch.dtype:
     return CACHE_DTYPES[name]
 
 
-def resolve_top_m(top_m, vocab_size: int) -> int:
-    """m as used: a positive integer, capped at |V| (m = |V| keeps every entry: the exact KL)."""
+def check_top_m(top_m):
+    """`reference_cache_top_m` as written: a positive integer."""
     if isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
         raise ValueError(
             f"reference_cache_top_m={top_m!r}: give a positive integer m, the reference's most probable "
             "entries kept per common position"
         )
-    return min(top_m, vocab_size)
+    return top_m
+
+
+def resolve_top_m(top_m, vocab_size: int) -> int:
+    """m as used: a positive integer, capped at |V| (m = |V| keeps every entry: the exact KL)."""
+    return min(check_top_m(top_m), vocab_size)
 
 
 @dataclass

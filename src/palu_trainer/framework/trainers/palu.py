@@ -12,11 +12,13 @@ from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_chec
 from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.losses import (
     ReferenceFromModel,
+    check_choice,
     check_kl_direction,
     check_kl_weight,
     check_loss_weights,
     check_number,
     check_target,
+    check_top_k,
     chunk_count,
     forget_hidden,
     forget_rows,
@@ -34,6 +36,7 @@ from palu_trainer.method.losses import (
 from palu_trainer.method.reference_cache import (
     build_reference_cache,
     cache_dtype,
+    check_top_m,
     count_positions,
     describe,
     estimated_nbytes,
@@ -110,9 +113,14 @@ class PALUTrainer(GradDiff):
         self.check_method_args(
             {
                 **kwargs,
+                "top_k": top_k,
                 "target": target,
+                "target_gradient": target_gradient,
                 "kl_direction": kl_direction,
                 "kl_weight": kl_weight,
+                "merge_adjacent_spans": merge_adjacent_spans,
+                "reference_cache": reference_cache,
+                "reference_cache_top_m": reference_cache_top_m,
                 "reference_cache_dtype": reference_cache_dtype,
                 "reference_cache_max_gib": reference_cache_max_gib,
             }
@@ -122,14 +130,10 @@ class PALUTrainer(GradDiff):
         # (transformers >= 4.46 skips that for models that take loss kwargs, expecting num_items_in_batch).
         self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
-        if self.retain_loss_type not in RETAIN_LOSS_TYPES:
-            raise ValueError(f"retain_loss_type={self.retain_loss_type!r}; choose one of {RETAIN_LOSS_TYPES}")
-        self.target = check_target(target)
-        if not isinstance(target_gradient, bool):
-            raise ValueError(f"target_gradient={target_gradient!r}; choose true or false")
+        self.target = target
         self.target_gradient = target_gradient
-        self.kl_direction = check_kl_direction(kl_direction)
-        self.kl_weight = check_kl_weight(kl_weight)
+        self.kl_direction = kl_direction
+        self.kl_weight = kl_weight
         self.top_k = resolve_top_k(top_k, reachable_vocab_size(self.model, self._tokenizer()))
         self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
@@ -166,9 +170,15 @@ class PALUTrainer(GradDiff):
             raise ValueError(cls.MOVED_METHOD_ARGS[moved])
         check_loss_weights(options)
         checks = {
+            "retain_loss_type": lambda value: check_choice("retain_loss_type", value, RETAIN_LOSS_TYPES),
+            "top_k": check_top_k,
             "target": check_target,
+            "target_gradient": lambda value: check_choice("target_gradient", value, (True, False)),
             "kl_direction": check_kl_direction,
             "kl_weight": check_kl_weight,
+            "merge_adjacent_spans": lambda value: check_choice("merge_adjacent_spans", value, (True, False)),
+            "reference_cache": lambda value: check_choice("reference_cache", value, ("auto", True, False)),
+            "reference_cache_top_m": check_top_m,
             "reference_cache_dtype": cache_dtype,
             "reference_cache_max_gib": lambda value: check_number(
                 "reference_cache_max_gib", value, "host GiB per rank that reference_cache=auto may use"
@@ -195,8 +205,6 @@ class PALUTrainer(GradDiff):
         require_token_roles(self, "PALU", "experiment=unlearn/tofu/palu")
 
     def _cache_wanted(self, reference_cache) -> bool:
-        if reference_cache not in ("auto", True, False):
-            raise ValueError(f"reference_cache={reference_cache!r}; choose auto, true or false")
         if reference_cache and self.retain_loss_type == "KL":
             logger.info(
                 "retain_loss_type=KL reads the reference on retain rows: reference model kept, no cache"
@@ -401,6 +409,7 @@ class PALUTrainer(GradDiff):
         values = [float(term.detach()) for term in (local_loss, kl_loss, retain_loss)] + [
             counts[key] for key in LOGGED_TERMS[3:]
         ]
+        self.last_terms = dict(zip(("local", "kl", "retain"), values[:3]))  # named when one is non-finite
         self._term_sums += torch.tensor(values, dtype=torch.float64)
         self._term_batches += 1
 

@@ -55,4 +55,6 @@ class TPOTrainer(GradDiff):
         retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
 
         loss = self.gamma * (preference + preservation) + self.alpha * retain_loss
+        terms = {"preference": preference, "preservation": preservation, "retain": retain_loss}
+        self.last_terms = {name: float(term.detach()) for name, term in terms.items()}  # named if non-finite
         return (loss, forget_outputs) if return_outputs else loss

@@ -1,0 +1,258 @@
+"""palu-train's guard on a training run, for what only shows during training.
+
+- Divergence: a non-finite loss (any micro-batch), gradient norm (each step) or weight (before each save)
+  stops the run at that step. Nothing is saved as the final model; the output folder is marked failed
+  (`FAILED_RUN_FILE`), which palu-eval and palu-train refuse, and the message names the step, the term and
+  what to lower.
+- A failed save (disk full): the partial checkpoint or final model is removed, the folder marked failed.
+- Preemption: on SIGTERM the current step finishes, a resumable checkpoint is written, and the run exits
+  with 143 (128 + SIGTERM), printing the command that resumes it.
+
+The checks hook into the trainer instance (its `training_step`, step-end `_maybe_log_save_evaluate`,
+`save_model`, `_save_checkpoint` and `train`), so they hold for PALU, TPO and every stock trainer. Under
+several processes each step's verdict is agreed by one all-reduce of two flags, so all ranks stop together.
+"""
+
+import json
+import math
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from palu_trainer.framework.stale_weights import FINAL_WEIGHTS
+
+FAILED_RUN_FILE = "palu_run_failed.json"
+FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class RunStopped(RuntimeError):
+    """The run stopped before its end on purpose; the message says why and what to do next."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def failed_run(folder) -> dict | None:
+    """The failure record of a run folder that `RunGuard` marked, else None."""
+    path = Path(folder) / FAILED_RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def failed_run_problem(key: str, folder) -> str | None:
+    record = failed_run(folder)
+    if record is None:
+        return None
+    return (
+        f"{key}={folder} is a failed run's folder ({FAILED_RUN_FILE}: {record['reason']} at step "
+        f"{record['step']}); it holds no finished model. {record.get('next', '')}".rstrip()
+    )
+
+
+def finite(value) -> bool:
+    if value is None:
+        return True  # no gradient norm: clipping is off (max_grad_norm=0)
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(value)
+
+
+def number(value) -> str:
+    return f"{float(value):.4g}" if value is not None else "not computed"
+
+
+class RunGuard:
+    """Installs the checks on `trainer`; `argv` is palu-train's command line, for the resume command."""
+
+    def __init__(self, trainer, argv: list[str]):
+        self.trainer = trainer
+        self.argv = argv
+        self.nonfinite_loss = None  # (step, loss, terms) of this rank's first non-finite micro-batch
+        self.sigterm = False
+        self.stopping_for_sigterm = False
+        trainer.training_step = self._checking_losses(trainer.training_step)
+        trainer._maybe_log_save_evaluate = self._checking_steps(trainer._maybe_log_save_evaluate)
+        trainer.save_model = self._checking_saves(trainer.save_model)
+        trainer._save_checkpoint = self._removing_failed_checkpoints(trainer._save_checkpoint)
+        trainer.train = self._reporting_preemption(trainer.train)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.sigterm = True
+        print("palu-train: SIGTERM: finishing this step, then writing a checkpoint", file=sys.stderr)
+
+    # -- divergence ---------------------------------------------------------------------------------------
+
+    def _checking_losses(self, training_step):
+        def step(*args, **kwargs):
+            loss = training_step(*args, **kwargs)
+            if self.nonfinite_loss is None and not finite(loss):
+                terms = dict(getattr(self.trainer, "last_terms", {}))
+                self.nonfinite_loss = (self.trainer.state.global_step + 1, float(loss), terms)
+            return loss
+
+        return step
+
+    def _agreed(self, *flags: bool) -> list[bool]:
+        """`flags` OR-ed over all processes (one all-reduce), so every rank takes the same branch."""
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return list(flags)
+        tensor = torch.tensor([float(flag) for flag in flags], device=accelerator.device)
+        return [bool(value) for value in accelerator.reduce(tensor, reduction="sum").cpu() > 0]
+
+    def _checking_steps(self, log_save_evaluate):
+        def step_end(*args, **kwargs):
+            grad_norm = args[1] if len(args) > 1 else kwargs.get("grad_norm")
+            diverged, sigterm = self._agreed(
+                self.nonfinite_loss is not None or not finite(grad_norm), self.sigterm
+            )
+            if diverged:
+                self._stop_diverged(self._what_diverged(grad_norm))
+            if sigterm and not self.stopping_for_sigterm:
+                self.stopping_for_sigterm = True
+                control, trainer_args = self.trainer.control, self.trainer.args
+                control.should_save = control.should_training_stop = True
+                trainer_args.save_only_model = False  # the checkpoint must resume: optimizer state too
+            return log_save_evaluate(*args, **kwargs)
+
+        return step_end
+
+    def _what_diverged(self, grad_norm) -> str:
+        if self.nonfinite_loss is None:
+            if not finite(grad_norm):
+                return f"the gradient norm is {number(grad_norm)} (every micro-batch's loss was finite)"
+            return "another process's loss went non-finite"
+        step, loss, terms = self.nonfinite_loss
+        named = [name for name, value in terms.items() if not math.isfinite(value)]
+        where = f" ({', '.join(named)} non-finite)" if named else ""
+        values = f"; terms: {', '.join(f'{n}={v:.4g}' for n, v in terms.items())}" if terms else ""
+        return f"the loss is {loss}{where} at step {step}{values}"
+
+    def _stop_diverged(self, what: str, when: str = "") -> None:
+        args = self.trainer.args
+        fixes = [f"lower trainer.args.learning_rate (now {args.learning_rate:g})"]
+        if not args.max_grad_norm:
+            fixes.append("clip gradients (trainer.args.max_grad_norm=1.0; clipping is off)")
+        if args.bf16 or args.fp16:
+            fixes.append("or train in fp32 (bf16=false): 16-bit arithmetic overflows sooner")
+        step = self.trainer.state.global_step
+        self._stop(
+            "diverged",
+            f"training diverged at step {step}{when}: {what}. Nothing was saved as the final model",
+            f"To train again, {', '.join(fixes)}.{self._last_checkpoint(step)}",
+        )
+
+    def _last_checkpoint(self, before_step: int) -> str:
+        checkpoints = [
+            path
+            for path in Path(self.trainer.args.output_dir).glob("checkpoint-*")
+            if path.name.split("-")[-1].isdigit() and int(path.name.split("-")[-1]) < before_step
+        ]
+        if not checkpoints:
+            return ""
+        last = max(checkpoints, key=lambda path: int(path.name.split("-")[-1]))
+        return f" Its last checkpoint before the divergence, {last}, has finite weights."
+
+    def _stop(self, reason: str, message: str, next_step: str, exit_code: int = 1):
+        output_dir = Path(self.trainer.args.output_dir)
+        if self.trainer.is_world_process_zero():
+            output_dir.mkdir(parents=True, exist_ok=True)
+            record = {"reason": reason, "step": self.trainer.state.global_step, "message": message}
+            (output_dir / FAILED_RUN_FILE).write_text(json.dumps({**record, "next": next_step}, indent=1))
+        raise RunStopped(
+            f"{message}; {output_dir} is marked failed ({FAILED_RUN_FILE}), so palu-eval refuses it. "
+            f"{next_step}",
+            exit_code,
+        )
+
+    def _nonfinite_weights(self) -> list[str]:
+        """Names of parameters holding a non-finite value (each rank checks its ZeRO-3 partition)."""
+        names = [
+            name
+            for name, parameter in self.trainer.model.named_parameters()
+            if not torch.isfinite(getattr(parameter, "ds_tensor", parameter)).all()
+        ]
+        (any_rank,) = self._agreed(bool(names))
+        return names or (["(on another process)"] if any_rank else [])
+
+    # -- saves ----------------------------------------------------------------------------------------------
+
+    def _checking_saves(self, save_model):
+        def save(output_dir=None, _internal_call=False):
+            names = self._nonfinite_weights()
+            if names:
+                self._stop_diverged(
+                    f"{len(names)} weight tensor(s) hold nan or inf (e.g. {names[0]})", " before saving"
+                )
+            if _internal_call:
+                return save_model(output_dir, _internal_call)
+            try:
+                return save_model(output_dir, _internal_call)
+            except Exception as error:  # noqa: BLE001 (any failed save leaves a broken folder)
+                folder = Path(output_dir or self.trainer.args.output_dir)
+                if self.trainer.is_world_process_zero():
+                    for pattern in FINISHED_LOOKING:
+                        for path in folder.glob(pattern):
+                            path.unlink()
+                self._stop(
+                    "final save failed",
+                    f"saving the final model to {folder} failed after training: {error}. Its partial files "
+                    "were removed",
+                    "Free space on its filesystem (or choose another paths.output_dir) and run again.",
+                )
+
+        return save
+
+    def _removing_failed_checkpoints(self, save_checkpoint):
+        def save(*args, **kwargs):
+            try:
+                return save_checkpoint(*args, **kwargs)
+            except RunStopped:
+                raise
+            except Exception as error:  # noqa: BLE001
+                step = self.trainer.state.global_step
+                folder = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+                if self.trainer.is_world_process_zero() and folder.is_dir():
+                    import shutil
+
+                    shutil.rmtree(folder)
+                self._stop(
+                    "checkpoint save failed",
+                    f"writing {folder} failed at step {step}: {error}. The partial checkpoint was removed",
+                    "Free space (or save fewer checkpoints: trainer.args.save_total_limit) and resume from "
+                    "an earlier checkpoint, or run again.",
+                )
+
+        return save
+
+    # -- preemption -----------------------------------------------------------------------------------------
+
+    def _reporting_preemption(self, train):
+        def run(*args, **kwargs):
+            result = train(*args, **kwargs)
+            if self.stopping_for_sigterm:
+                step = self.trainer.state.global_step
+                checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+                raise RunStopped(
+                    f"stopped by SIGTERM after step {step} of {self.trainer.state.max_steps}: {checkpoint} "
+                    f"holds the model and optimizer state. Resume with:\n  {self.resume_command(checkpoint)}",
+                    PREEMPTED_EXIT_CODE,
+                )
+            return result
+
+        return run
+
+    def resume_command(self, checkpoint: Path) -> str:
+        """palu-train's command line with `resume_from_checkpoint` set to `checkpoint`."""
+        kept = [
+            arg for arg in self.argv if not arg.lstrip("+").startswith("trainer.args.resume_from_checkpoint=")
+        ]
+        command = shlex.join(["palu-train", *kept, f"+trainer.args.resume_from_checkpoint={checkpoint}"])
+        if self.trainer.accelerator.num_processes > 1:
+            return f"{command}   (under your launcher, e.g. accelerate launch, as before)"
+        return command

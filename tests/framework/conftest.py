@@ -1,0 +1,71 @@
+"""Fixtures of the framework tests: a PALU (or TPO) trainer on the tiny model in-process, and a TOFU mirror
+for palu-train runs."""
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.stack import tokenizer_keyword
+
+from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl
+from .test_datasets import QA_ROWS, QA_SPANS, span_dataset
+
+ensure_importable()
+from data.unlearn import ForgetRetainDataset  # noqa: E402
+
+from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
+from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
+
+
+@pytest.fixture
+def make_trainer(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def build(
+        max_steps=3,
+        num_initiating_tokens=3,
+        collator=DataCollatorWithTokenRoles,
+        policy=None,
+        trainer_class=PALUTrainer,
+        gradient_accumulation_steps=1,
+        model=None,
+        training_arguments=None,
+        **method_args,
+    ):
+        model = model or AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        forget = span_dataset(
+            tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS, n=num_initiating_tokens, **(policy or {})
+        )
+        retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, QA_ROWS, QA_SPANS)
+        args = TrainingArguments(
+            **{
+                "output_dir": str(tmp_path / "out"),
+                "max_steps": max_steps,
+                "per_device_train_batch_size": 3,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
+                "learning_rate": 1e-2,
+                "logging_steps": 1,
+                "report_to": [],
+                "save_strategy": "no",
+                "use_cpu": True,
+                "remove_unused_columns": False,
+                **(training_arguments or {}),
+            }
+        )
+        return trainer_class(
+            model=model,
+            args=args,
+            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
+            **tokenizer_keyword(tokenizer),
+            data_collator=collator(tokenizer, index="index"),
+            template_args=TAG_TEMPLATE,
+            **method_args,
+        )
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def tofu_mirror(tmp_path_factory, tofu_dir):
+    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
+    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})

@@ -1,0 +1,144 @@
+"""palu-train end to end under faults that only show during training: divergence, a full disk and
+preemption (SIGTERM). Each run stops non-zero, leaves no folder that looks finished, and says what next."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+
+import pytest
+
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, PREEMPTED_EXIT_CODE
+
+from ..conftest import unavailable
+from .test_bad_inputs import BIN, QUICK_RUN, run
+
+STOCK_RUN = [
+    arg.replace("experiment=unlearn/tofu/palu", "experiment=unlearn/tofu/default")
+    for arg in QUICK_RUN
+    if not arg.startswith("span_annotations=")
+]
+FINISHED_LOOKING = ("config.json", "model.safetensors")
+
+
+def steps_logged(output: str) -> int:
+    return len(re.findall(r"\{'loss': ", output))
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("method", ["PALU", "NPO"])
+def test_a_diverged_run_stops_at_its_step_and_palu_eval_refuses_the_folder(
+    method, tmp_path, tiny_model_dir, tofu_mirror
+):
+    command = QUICK_RUN if method == "PALU" else [*STOCK_RUN, f"trainer={method}"]
+    out = tmp_path / "run"
+    code, output = run(
+        command,
+        ["trainer.args.learning_rate=1e6", "trainer.args.logging_steps=1"],
+        tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    assert code == 1, output[-3000:]
+    step = int(re.search(r"palu-train: training diverged at step (\d+)", output).group(1))
+    assert steps_logged(output) < step  # stopped at that step: it never logged it
+    assert "lower trainer.args.learning_rate (now 1e+06)" in output
+    assert (out / FAILED_RUN_FILE).is_file()
+    assert not any((out / name).exists() for name in FINISHED_LOOKING)
+
+    evaluation = ["experiment=eval/tofu/default", "+runtime=cpu", "model=tiny-llama", "task_name=e"]
+    code, output = run(evaluation, [], tofu_mirror, out, tmp_path / "eval", script="palu-eval")
+    assert code == 1
+    assert (
+        f"pretrained_model_name_or_path={out} is a failed run's folder ({FAILED_RUN_FILE}: diverged at "
+        f"step {step})" in output
+    )
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 1.2 MB tmpfs (root only): smaller than the tiny model's final save (1.6 MB)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode:
+        unavailable(f"a small filesystem needs `mount -t tmpfs` (root): {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_a_full_disk_is_refused_before_the_first_step_and_a_failed_save_leaves_no_model(
+    small_filesystem, tiny_model_dir, tofu_mirror
+):
+    out = small_filesystem / "run"
+    code, output = run(QUICK_RUN, [], tofu_mirror, tiny_model_dir, out)
+    assert code == 1, output[-3000:]
+    assert re.search(
+        r"palu-train: paths.output_dir=\S+: 1\.\d MiB free on its filesystem, but the run writes about "
+        r"\d\.\d MiB there: the final model of",
+        output,
+    )
+    assert steps_logged(output) == 0
+
+    one_epoch = [
+        "+allow_low_disk_space=true",
+        "trainer.args.num_train_epochs=1",
+        "trainer.args.logging_steps=1",
+    ]
+    code, output = run(QUICK_RUN, one_epoch, tofu_mirror, tiny_model_dir, out)
+    assert code == 1, output[-3000:]
+    assert steps_logged(output) == 10  # every step trained, then the save failed
+    assert "palu-train: saving the final model to" in output and "No space left on device" in output
+    assert not any((out / name).exists() for name in FINISHED_LOOKING)
+    assert (out / FAILED_RUN_FILE).is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_sigterm_writes_a_resumable_checkpoint_and_the_printed_command_resumes_it(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    out = tmp_path / "run"
+    overrides = ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
+    models = [
+        f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
+        for args in ("model_args", "tokenizer_args")
+    ]
+    env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    argv = [str(BIN / "palu-train"), *QUICK_RUN, f"paths.output_dir={out}", *models, *overrides]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = ""
+    deadline = time.monotonic() + 300
+    while steps_logged(output) < 3 and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        output += line
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=120)
+    output += rest
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    step = int(re.search(r"palu-train: stopped by SIGTERM after step (\d+) of 60", output).group(1))
+    assert 3 <= step < 60
+    checkpoint = out / f"checkpoint-{step}"
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "trainer_state.json").is_file()
+    assert not (out / "model.safetensors").exists()
+
+    resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0])
+    assert resume[0] == "palu-train" and resume[-1] == f"+trainer.args.resume_from_checkpoint={checkpoint}"
+    resumed = subprocess.run(
+        [str(BIN / "palu-train"), *resume[1:]], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert f"resuming from {checkpoint}" in resumed.stdout + resumed.stderr
+    assert steps_logged(resumed.stdout + resumed.stderr) == 60 - step
+    assert (out / "model.safetensors").is_file() and not (out / FAILED_RUN_FILE).exists()

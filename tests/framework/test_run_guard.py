@@ -1,0 +1,175 @@
+"""What palu-train checks on a built trainer before its first step (`run_plan`) and guards during the run
+(`run_guard`): divergence, failed saves. In-process on the tiny model; end to end in test_run_faults.py."""
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, RunGuard, RunStopped, failed_run_problem
+from palu_trainer.framework.run_plan import (
+    disk_estimate,
+    disk_space_problem,
+    empty_epoch_problem,
+    learning_rates,
+    optimizer_steps,
+    zero_learning_rate_problem,
+)
+
+
+@pytest.fixture(autouse=True)
+def sigterm_handler_restored():
+    """RunGuard installs its SIGTERM handler in this (pytest's) process: put the default back."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def guarded(trainer):
+    RunGuard(trainer, ["--config-name=unlearn.yaml", "task_name=t"])
+    return trainer
+
+
+def nan_at_step(trainer, step: int, term: str):
+    """Make PALU's `term` (local | kl | retain) non-finite from optimizer step `step` on."""
+    from palu_trainer.framework.trainers import palu
+
+    losses = {"local": "palu_forget_loss_at_positions", "retain": "label_nll_at_positions"}
+    original = getattr(palu, losses[term])
+
+    def poisoned(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if trainer.state.global_step + 1 < step:
+            return result
+        if term == "local":
+            local, kl = result
+            return local * math.nan, kl
+        return result * math.nan
+
+    return losses[term], poisoned
+
+
+def test_a_nan_term_stops_the_run_at_its_step_naming_the_term(make_trainer, monkeypatch):
+    trainer = guarded(make_trainer(max_steps=5, top_k=64))
+    name, poisoned = nan_at_step(trainer, 3, "local")
+    monkeypatch.setattr(f"palu_trainer.framework.trainers.palu.{name}", poisoned)
+    with pytest.raises(RunStopped) as stopped:
+        trainer.train()
+    message = str(stopped.value)
+    assert trainer.state.global_step == 3
+    assert (
+        "training diverged at step 3: the loss is nan (local non-finite) at step 3; terms: local=nan"
+        in message
+    )
+    assert "lower trainer.args.learning_rate (now 0.01)" in message
+    record = json.loads((Path(trainer.args.output_dir) / FAILED_RUN_FILE).read_text())
+    assert record["reason"] == "diverged" and record["step"] == 3
+    assert not list(Path(trainer.args.output_dir).glob("model*.safetensors"))
+    assert "is a failed run's folder" in failed_run_problem("model.model_args.x", trainer.args.output_dir)
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_the_run(make_trainer):
+    trainer = guarded(make_trainer(max_steps=4, top_k=64))
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step == 1 else grad)
+    with pytest.raises(RunStopped, match=r"diverged at step 2: the gradient norm is nan \(every micro-batch"):
+        trainer.train()
+
+
+def test_non_finite_weights_are_never_saved(make_trainer, tmp_path):
+    trainer = guarded(make_trainer(max_steps=1, top_k=64, training_arguments={"max_grad_norm": 0}))
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = math.inf
+    with pytest.raises(
+        RunStopped, match=r"diverged at step 0 before saving: 1 weight tensor\(s\) hold nan or inf"
+    ):
+        trainer.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final").exists()
+    assert "clip gradients (trainer.args.max_grad_norm=1.0; clipping is off)" in str(
+        json.loads((Path(trainer.args.output_dir) / FAILED_RUN_FILE).read_text())["next"]
+    )
+
+
+def test_a_failed_final_save_leaves_no_finished_looking_folder(make_trainer, tmp_path, monkeypatch):
+    trainer = guarded(make_trainer(max_steps=1, top_k=64))
+    folder = tmp_path / "final"
+
+    def fill_the_disk(*args, **kwargs):
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(trainer, "_save", fill_the_disk)
+    with pytest.raises(
+        RunStopped, match="saving the final model to .* failed after training: .*No space left"
+    ):
+        trainer.save_model(str(folder))
+    assert sorted(path.name for path in folder.iterdir()) == []
+    assert (
+        json.loads((Path(trainer.args.output_dir) / FAILED_RUN_FILE).read_text())["reason"]
+        == "final save failed"
+    )
+
+
+def test_optimizer_steps_and_learning_rates_match_the_trainers_run(make_trainer):
+    trainer = make_trainer(
+        max_steps=-1,
+        top_k=64,
+        training_arguments={"num_train_epochs": 2, "per_device_train_batch_size": 1, "warmup_ratio": 0.5},
+    )
+    rates = learning_rates(trainer, optimizer_steps(trainer))
+    trainer.train()
+    assert trainer.state.global_step == optimizer_steps(trainer) == 6  # 3 forget rows, 2 epochs
+    logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    # transformers 4.51 logs the rate each step used; 4.45 the rate after the scheduler's step
+    assert rates[0] == 0 and logged in (pytest.approx(rates), pytest.approx(rates[1:] + [0.0]))
+
+
+def test_one_step_under_warm_up_and_an_empty_epoch_are_refused(make_trainer):
+    warm = make_trainer(max_steps=1, top_k=64, training_arguments={"warmup_ratio": 0.1})
+    assert "every one of the run's 1 optimizer step(s) has learning rate 0" in zero_learning_rate_problem(
+        warm
+    )
+    assert (
+        zero_learning_rate_problem(
+            make_trainer(max_steps=2, top_k=64, training_arguments={"warmup_ratio": 0.1})
+        )
+        is None
+    )
+    dropped = make_trainer(
+        top_k=64, training_arguments={"dataloader_drop_last": True, "per_device_train_batch_size": 4}
+    )
+    assert "the training set has 3 rows and trainer.args.dataloader_drop_last=true" in empty_epoch_problem(
+        dropped
+    )
+    assert empty_epoch_problem(make_trainer(top_k=64)) is None
+
+
+def test_the_disk_estimate_matches_what_the_run_writes(make_trainer, monkeypatch):
+    trainer = make_trainer(
+        max_steps=3,
+        top_k=64,
+        training_arguments={"save_strategy": "steps", "save_steps": 1, "save_total_limit": 1},
+    )
+    estimate = disk_estimate(trainer)
+    assert estimate["checkpoints"] == 2  # a new checkpoint is written before the old one is rotated out
+    trainer.train()
+    trainer.save_model()
+    output = Path(trainer.args.output_dir)
+    model_bytes = (output / "model.safetensors").stat().st_size
+    checkpoint_bytes = sum(
+        path.stat().st_size for path in (output / "checkpoint-3").rglob("*") if path.is_file()
+    )
+    assert estimate["model"] == pytest.approx(model_bytes, rel=0.01)
+    assert estimate["checkpoint"] == pytest.approx(checkpoint_bytes, rel=0.05)
+
+    free = {"free": estimate["total"] - 1}
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), free))
+    problem = disk_space_problem(trainer)
+    assert "but the run writes about" in problem and "2 checkpoint(s) of" in problem
+    free["free"] = estimate["total"]
+    assert disk_space_problem(trainer) is None
