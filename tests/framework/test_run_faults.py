@@ -104,9 +104,11 @@ def test_a_full_disk_is_refused_before_the_first_step_and_a_failed_save_leaves_n
 
 @pytest.mark.slow
 @pytest.mark.stack
+@pytest.mark.parametrize("method", ["PALU", "NPO"])  # NPO's config saves model-only checkpoints
 def test_sigterm_writes_a_resumable_checkpoint_and_the_printed_command_resumes_it(
-    tmp_path, tiny_model_dir, tofu_mirror
+    method, tmp_path, tiny_model_dir, tofu_mirror
 ):
+    command = QUICK_RUN if method == "PALU" else [*STOCK_RUN, f"trainer={method}"]
     out = tmp_path / "run"
     overrides = ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
     models = [
@@ -114,7 +116,7 @@ def test_sigterm_writes_a_resumable_checkpoint_and_the_printed_command_resumes_i
         for args in ("model_args", "tokenizer_args")
     ]
     env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [str(BIN / "palu-train"), *QUICK_RUN, f"paths.output_dir={out}", *models, *overrides]
+    argv = [str(BIN / "palu-train"), *command, f"paths.output_dir={out}", *models, *overrides]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = ""
     deadline = time.monotonic() + 300

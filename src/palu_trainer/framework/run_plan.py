@@ -71,12 +71,14 @@ def learning_rates(trainer, steps: int) -> list[float]:
 def zero_learning_rate_problem(trainer, checked_steps: int = 64) -> str | None:
     """Every step at learning rate 0: a one-step run under warm-up (the first step's rate is 0)."""
     steps = optimizer_steps(trainer)
-    if steps > checked_steps or trainer.args.lr_scheduler_type == "reduce_lr_on_plateau":
+    scheduler = getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type)
+    if steps > checked_steps or scheduler == "reduce_lr_on_plateau":
         return None
     if any(rate > 0 for rate in learning_rates(trainer, steps)):
         return None
     args = trainer.args
-    schedule = f"lr_scheduler_type={args.lr_scheduler_type}, {args.get_warmup_steps(steps)} warm-up step(s)"
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    schedule = f"lr_scheduler_type={scheduler}, {args.get_warmup_steps(steps)} warm-up step(s)"
     return (
         f"every one of the run's {steps} optimizer step(s) has learning rate 0 ({schedule}: warm-up starts "
         "at 0): the run would train nothing and save the original model. Take more steps, or set "
