@@ -209,6 +209,21 @@ PRESETS = {
         "prompt_length": 55,
         "answer_lengths": (25, 65),
     },
+    # Llama-3.2-1B's own shapes (1.24B parameters, random init): for a GPU, where the share preset's tiny body
+    # measures kernel launches, not work; batch 8, fp32 weights as every preset.
+    "llama-3.2-1b": {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "layers": 16,
+        "intermediate_size": 8192,
+        "heads": 32,
+        "kv_heads": 8,
+        "tie_word_embeddings": True,
+        "gradient_checkpointing": True,
+        "batch_size": 8,
+        "prompt_length": 55,
+        "answer_lengths": (25, 65),
+    },
     # The real SmolLM2-135M-Instruct (`make smollm2`): its own weights and shapes, loaded from the converted
     # folder (the sizes below are its config's, checked on load). TOFU's rows in its chatml template with
     # the system prompt: prompts of 40-70 tokens (48 on average over forget05), answers of 13-72 (38);
