@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 
 from palu_trainer.spans.tpo_spans import import_tpo
 
-from ..conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
+from ..conftest import EVAL_ROWS
 
 PALU_TRAIN = Path(sys.executable).parent / "palu-train"
+MODEL_ARGS = ("model_args", "tokenizer_args")
 QUICK_RUN = [
     "--config-name=unlearn.yaml",
     "+runtime=cpu",
@@ -32,16 +33,6 @@ QUICK_RUN = [
     "trainer.args.eval_strategy=no",
     "trainer.args.report_to=none",
 ]
-
-
-@pytest.fixture(scope="module")
-def tofu_mirror(tmp_path_factory, tofu_dir):
-    """The shared TOFU files plus a `holdout01` config, which the stock eval config names.
-
-    TOFU's hub holdout splits are not in ../shared; these runs do not evaluate, so any 40 rows do.
-    """
-    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
-    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})
 
 
 def palu_train(overrides, tofu_mirror, model_dir, out_dir):
@@ -153,3 +144,31 @@ def test_train_then_evaluate_on_this_stack(tmp_path, tiny_model_dir, small_tofu_
     for name in ("model_utility", "forget_Q_A_Prob", "forget_Q_A_ROUGE", "forget_truth_ratio"):
         assert isinstance(summary.get(name), float) and math.isfinite(summary[name]), (name, summary)
     assert 0 < summary["forget_Q_A_Prob"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_palu_eval_in_bf16_on_this_stack(tmp_path, tiny_model_dir, small_tofu_mirror):
+    """bf16 evaluation, the framework's GPU default: transformers >= 4.46 returns bf16 logits, which the
+    framework's metrics hand to numpy ("Got unsupported ScalarType BFloat16" on the 4.51 stack, seen on an
+    H200 before palu-train/palu-eval upcast evaluation logits)."""
+    evaluation = [
+        str(PALU_TRAIN.parent / "palu-eval"),
+        "experiment=eval/tofu/tiny",
+        "+runtime=cpu",
+        "model.model_args.torch_dtype=bfloat16",
+        "forget_split=forget01",
+        "holdout_split=holdout01",
+        "max_new_tokens=8",
+        "task_name=bf16_eval",
+        f"paths.output_dir={tmp_path / 'eval'}",
+        *(
+            f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
+            for args in ("model_args", "tokenizer_args")
+        ),
+    ]
+    env = {**os.environ, "TOFU_DIR": str(small_tofu_mirror)}
+    result = subprocess.run(evaluation, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    summary = json.loads((tmp_path / "eval" / "TOFU_SUMMARY.json").read_text())
+    assert 0 < summary["forget_Q_A_Prob"] < 1 and math.isfinite(summary["forget_truth_ratio"]), summary

@@ -189,18 +189,17 @@ def method_args_problem(cfg, script) -> str | None:
     return None
 
 
-# Stock trainers whose beta is a temperature that divides the loss (-2/beta · logsigmoid(...)).
-BETA_DIVIDES = {"NPO", "SimNPO", "DPO"}
-
-
 def check_stock_method_args(cls, options: dict) -> None:
-    """The framework's trainers check no values: the loss weights, NPO's/SimNPO's/DPO's beta and
-    GradDiff's retain loss, which would otherwise fail at the first step or train the wrong thing."""
+    """The framework's trainers check no values: the loss weights, the beta of NPO, SimNPO and DPO (a
+    temperature that divides their loss: -2/beta · logsigmoid(...)) and GradDiff's retain loss, which would
+    otherwise fail at the first step or train the wrong thing."""
+    from trainer.unlearn.dpo import DPO
     from trainer.unlearn.grad_diff import GradDiff
+    from trainer.unlearn.npo import NPO
+    from trainer.unlearn.simnpo import SimNPO
 
     check_loss_weights(options)
-    names = {klass.__name__ for klass in cls.__mro__}
-    if "beta" in options and names & BETA_DIVIDES:
+    if "beta" in options and issubclass(cls, (NPO, SimNPO, DPO)):
         check_number(
             "beta", options["beta"], f"{cls.__name__}'s temperature; 0 divides by zero", exclusive=True
         )

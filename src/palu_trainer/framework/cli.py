@@ -17,6 +17,7 @@ from palu_trainer.framework.patches import (
     checking_vocabulary,
     guarding,
     resuming,
+    upcasting_evaluation_logits,
 )
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
@@ -126,7 +127,7 @@ def run_framework_script(script: str, config_name: str) -> None:
                 logger.info("local dataset mirror: %s", line)
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
-        module.get_model = checking_vocabulary(get_model)
+        module.get_model = upcasting_evaluation_logits(checking_vocabulary(get_model))
         if load_trainer is not None:
             from trainer import TRAINER_REGISTRY
 

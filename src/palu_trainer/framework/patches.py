@@ -5,6 +5,8 @@ import functools
 import logging
 from pathlib import Path
 
+import torch
+
 from palu_trainer.framework.stale_weights import remove_stale_weights
 from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
 
@@ -59,6 +61,30 @@ def checking_vocabulary(get_model):
             raise BadInput(error)
         if warning:
             logger.warning(warning)
+        return model, tokenizer
+
+    return load
+
+
+def upcasting_evaluation_logits(get_model):
+    """The framework's `get_model`, whose model returns fp32 logits in eval mode.
+
+    transformers 4.46 and later return logits in the model's dtype (4.45 upcast them in `forward`); the
+    framework's TOFU and MUSE metrics call `.numpy()` on values computed from them, which numpy refuses for
+    bf16 ("Got unsupported ScalarType BFloat16"): every bf16 evaluation on the 4.51 stack stopped there, in
+    palu-eval and in the Trainer's evaluation during training. Training (`model.training`) is left as it is.
+    """
+
+    def upcast(module, args, output):
+        logits = getattr(output, "logits", None)
+        if not module.training and logits is not None and logits.dtype in (torch.bfloat16, torch.float16):
+            output.logits = logits.float()
+        return output
+
+    @functools.wraps(get_model)
+    def load(*args, **kwargs):
+        model, tokenizer = get_model(*args, **kwargs)
+        model.register_forward_hook(upcast)
         return model, tokenizer
 
     return load
