@@ -84,18 +84,24 @@ gpu-check:
 	$(PY) -m palu_trainer.experiments.gpu_check --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
 		$(if $(CPU),--cpu) $(if $(STEPS),--steps $(STEPS))
 
-# TEST_JOBS pytest workers (pytest-xdist), one test file each at a time: most tests wait on a palu-train
-# subprocess's single-threaded start, so 2 workers on 2 cores take ~35% less wall time. TEST_JOBS=0: one process.
+# TEST_JOBS pytest workers (pytest-xdist), one test file each at a time, one thread each (2 workers on 2 cores
+# take ~35% less wall time: most tests wait on a palu-train subprocess's single-threaded start). The tests
+# marked `distributed` launch two processes each, so they run after the others, alone: beside another
+# worker, three processes on two cores made gloo's collectives time out. TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
-PYTEST = PALU_SHARED=$(SHARED) $(PY) -m pytest -ra $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+PYTEST_SERIAL = PALU_SHARED=$(SHARED) $(PY) -m pytest -ra
+PYTEST = $(if $(filter-out 0,$(TEST_JOBS)),OMP_NUM_THREADS=1 )$(PYTEST_SERIAL) \
+	$(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 test:
-	$(PYTEST) --durations=25 tests
+	$(PYTEST) --durations=25 -m "not distributed" tests
+	$(PYTEST_SERIAL) --durations=5 -m distributed tests
 
 # The other framework stack's suite (CI runs it on STACK=4.51): the fast suite plus the tests marked
 # `stack` (end-to-end palu-train + palu-eval per method, the users' configurations, new architectures,
-# the real-model FAST check). make setup STACK=4.51 first.
+# the real-model FAST check), the distributed one after the others, alone. make setup STACK=4.51 first.
 test-stack:
-	$(PYTEST) --durations=25 -m "(not slow and not distributed) or stack" tests
+	$(PYTEST) --durations=25 -m "((not slow) or stack) and not distributed" tests
+	$(PYTEST_SERIAL) -m "distributed and stack" tests
 
 # The suite without the runs that train end to end or launch two processes (markers in pyproject.toml): a loop
 # while editing; make test runs everything.
