@@ -24,6 +24,13 @@ SHARED ?= $(abspath ../shared)
 
 export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_REF \
 	OPEN_UNLEARNING_DIR
+# DeepSpeed's CPU backend loads its shared-memory op (deepspeed_shm_comm) at every ZeRO-3 launch, compiling it
+# into torch's extensions folder behind a lock file the first time. One folder per venv: two venvs sharing
+# one rebuilt each other's, and a build killed halfway leaves a lock that every later launch waits on.
+# `make setup` builds it.
+ifneq ($(VENV),)
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+endif
 
 # The paper's TOFU recipe on GPUs (docs/reproducing.md); TOFU_DIR, MODEL_DIR, RETAIN_LOGS, ORIGINAL_LOGS
 # and IDK_ANSWERS replace hub ids and downloaded logs on offline clusters; ATTN=sdpa|flash_attention_2|eager

@@ -67,6 +67,13 @@ else
   echo "$digest" > "$stamp"
 fi
 
+# DeepSpeed's CPU shared-memory op, which every ZeRO-3 launch on the CPU loads: built here (about a minute) into
+# the venv's TORCH_EXTENSIONS_DIR (Makefile), not inside the first distributed test's time.
+if ! command -v nvidia-smi >/dev/null; then
+  say "building DeepSpeed's CPU shared-memory op into ${TORCH_EXTENSIONS_DIR:-torch's default folder}"
+  "$PY" -m palu_trainer.framework.accelerate_config
+fi
+
 # 4. SmolLM2-135M-Instruct, a real pretrained model offline (scripts/smollm2.sh, docs/real-model.md). Nothing
 #    else depends on it: a failure warns, and the tests that load it then fail in CI and skip elsewhere.
 if ! bash scripts/smollm2.sh; then

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from palu_trainer.framework.accelerate_config import write_accelerate_config
+from palu_trainer.framework.accelerate_config import shared_memory_op_dir, write_accelerate_config
 from palu_trainer.method.losses import chunk_count, label_positions, logit_chunk_rows
 from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.spans.format import write_annotations
@@ -88,6 +88,18 @@ def test_the_ranks_need_different_projection_calls(uneven_data, model_dirs, tmp_
 
 @pytest.fixture(scope="module")
 def zero3_config(tmp_path_factory):
+    """The ZeRO-3 launch config, once DeepSpeed's CPU shared-memory op is built (`make setup` builds it; a
+    fresh venv builds it here, outside the launches' timeouts). A build that never ends is a lock left by
+    a killed one, on which every launch would wait: named, rather than three timeouts."""
+    build = [sys.executable, "-m", "palu_trainer.framework.accelerate_config"]
+    try:
+        subprocess.run(build, check=True, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        lock = shared_memory_op_dir() / "lock"
+        pytest.fail(
+            f"DeepSpeed's CPU shared-memory op did not build in 600 s: if {lock} is a killed build's, "
+            "delete it"
+        )
     return write_accelerate_config(tmp_path_factory.mktemp("zero3"), num_processes=2, bf16="auto")
 
 
