@@ -70,7 +70,7 @@ fi
 # DeepSpeed's CPU shared-memory op, which every ZeRO-3 launch on the CPU loads: built here (about a minute) into
 # the venv's TORCH_EXTENSIONS_DIR (Makefile), not inside the first distributed test's time.
 if ! command -v nvidia-smi >/dev/null; then
-  say "building DeepSpeed's CPU shared-memory op into ${TORCH_EXTENSIONS_DIR:-torch's default folder}"
+  say "building the CPU shared-memory op of DeepSpeed into ${TORCH_EXTENSIONS_DIR:-the default torch extensions folder}"
   "$PY" -m palu_trainer.framework.accelerate_config
 fi
 
