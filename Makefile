@@ -59,7 +59,9 @@ MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SP
 # results/ablation/ and results/convergence/.
 # make demo MINI_MODEL=smollm2 [JOBS=2] [PLAN=1] [FAST=1]: the real-model experiment (docs/real-model.md):
 # SmolLM2-135M-Instruct on a real-TOFU subset (DATA=tofu by default), seeds, results/smollm2-tofu/; PLAN=1
-# prints its runs and minutes. MINI_MODEL, not MODEL: MODEL names the GPU recipe's model config and has a
+# prints its runs and minutes. make converged [JOBS=2] [PLAN=1] [FAST=1] [METHODS=...]: the same model and data at
+# the paper's budget (10 epochs), curves, fronts, seeds and PALU's utility cliff (issue 30),
+# results/converged-smollm2-tofu/. MINI_MODEL, not MODEL: MODEL names the GPU recipe's model config and has a
 # default, so `make demo` could not tell it was not asked for.
 BENCH ?= tofu
 MINI_MODEL ?=
@@ -67,7 +69,7 @@ DATA ?= $(if $(MINI_MODEL),tofu,synthetic)
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup flash-attn smollm2 gpu-check test test-stack test-fast lint format tofu muse compare tofu-sweep tofu-ablation \
+.PHONY: setup flash-attn smollm2 gpu-check test test-stack test-fast lint format tofu muse compare tofu-sweep tofu-ablation converged \
 	demo ablation convergence bench
 
 setup:
@@ -137,6 +139,11 @@ ablation:
 
 convergence:
 	$(PY) -m palu_trainer.experiments.convergence $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS))
+
+converged:
+	$(PY) -m palu_trainer.experiments.converged --data tofu --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
+		$(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
+		$(if $(METHODS),--methods $(METHODS)) $(if $(PLAN),--plan)
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU

@@ -259,6 +259,8 @@ def test_bad_top_k_and_kl_weight_stop_before_training(make_trainer, method_args,
         ({"reference_cache_dtype": "int8"}, "choose one of"),
         ({"reference_cache": "yes"}, "reference_cache='yes'; choose one of auto, true, false"),
         ({"reference_cache_top_m": 0}, "reference_cache_top_m=0: give a positive integer m"),
+        ({"local_loss_scale": "initial"}, "local_loss_scale='initial'; choose one of none, reference"),
+        ({"log_term_gradient_norms": "yes"}, "log_term_gradient_norms='yes'; choose one of true, false"),
     ],
 )
 def test_bad_method_args_are_rejected(make_trainer, method_args, message):
@@ -281,3 +283,42 @@ def test_forget_batches_without_roles_are_rejected(make_trainer):
 
     with pytest.raises(ValueError, match="PALU needs token roles in the forget batches"):
         make_trainer(collator=DataCollatorForSupervisedDataset)
+
+
+@pytest.mark.parametrize("reference_cache", [True, False], ids=["cache", "reference-model"])
+def test_reference_scaled_local_loss_starts_at_one(make_trainer, reference_cache):
+    """local_loss_scale=reference: at the first step the policy is the reference, so every initiating
+    position's loss equals the divisor; the paper's form logs the reference's own spread (far from 1)."""
+    logged = {}
+    for scale in ("none", "reference"):
+        trainer = make_trainer(max_steps=1, top_k=64, reference_cache=reference_cache, local_loss_scale=scale)
+        trainer.train()
+        logged[scale] = next(e for e in trainer.state.log_history if "local_loss" in e)["local_loss"]
+    assert logged["reference"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(logged["none"] - 1.0) > 0.1
+
+
+def test_term_gradient_norms_are_logged_at_logging_steps_only(make_trainer, monkeypatch):
+    """Each weighted term's gradient norm, computed only on the steps that log (1 and 2 of 3 with
+    logging_steps=2 and logging_first_step). At step 1 the policy is the reference, so the KL's gradient
+    is 0 and the step's whole gradient is the local and retain terms' (triangle inequality)."""
+    from palu_trainer.framework.trainers import palu
+
+    calls = []
+    measure = palu.term_gradient_norms
+    monkeypatch.setattr(palu, "term_gradient_norms", lambda *a: calls.append(1) or measure(*a))
+    trainer = make_trainer(
+        max_steps=3,
+        top_k=64,
+        log_term_gradient_norms=True,
+        training_arguments={"logging_steps": 2, "logging_first_step": True},
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "grad_norm_local" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2] and len(calls) == 2
+    first = logged[0]
+    assert first["grad_norm_local"] > 0 and first["grad_norm_retain"] > 0
+    assert first["grad_norm_kl"] == pytest.approx(0.0, abs=1e-4)
+    assert abs(first["grad_norm_local"] - first["grad_norm_retain"]) - 1e-3 <= first["grad_norm"]
+    assert first["grad_norm"] <= first["grad_norm_local"] + first["grad_norm_retain"] + 1e-3
+    assert logged[1]["grad_norm_kl"] > 0  # the policy has moved

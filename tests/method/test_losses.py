@@ -17,7 +17,7 @@ from palu_trainer.method.losses import (
     mean_over_chunks,
     palu_forget_loss,
     palu_forget_loss_at_positions,
-    palu_loss,
+    palu_terms,
     predicting_rows,
     reference_kl_loss,
     reference_targets,
@@ -25,6 +25,7 @@ from palu_trainer.method.losses import (
     resolve_top_k,
     select_predictions,
     targets_from_selected,
+    term_gradient_norms,
 )
 from palu_trainer.method.roles import TokenRole
 
@@ -148,12 +149,73 @@ def test_bad_kl_weight_names_the_option(kl_weight):
 def test_loss_weights_the_kl_by_lambda_or_by_alpha():
     local, kl, retain = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(5.0)
     assert (
-        palu_loss(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight=4.0).item() == 0.5 * (2 + 4 * 3) + 2 * 5
+        sum(palu_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight=4.0)).item()
+        == 0.5 * (2 + 4 * 3) + 2 * 5
     )
     assert (
-        palu_loss(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight="alpha").item()
+        sum(palu_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight="alpha")).item()
         == 0.5 * 2 + 2 * 3 + 2 * 5
     )
+
+
+def test_reference_scaled_local_loss_is_one_at_the_reference_and_free_of_the_logit_scale():
+    """local_loss_scale=reference: each position's loss over the reference's own (1/K)·Σ(z − mean z)²
+    there; 1 when the model is the reference (c = global mean), and unchanged when every logit doubles,
+    where the paper's loss quadruples."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 50) * 3
+    roles = torch.tensor([[IGN, INI, INI, COM, INI, COM]])
+    reference = reference_targets(logits, roles, top_k=7)
+    initiating = logits[0, :-1][roles[0, 1:] == INI]
+    top = initiating.topk(7, dim=-1).values
+    expected_spread = (top - initiating.mean(-1, keepdim=True)).pow(2).mean(-1)
+    torch.testing.assert_close(reference.topk_spread, expected_spread)
+    paper, _ = palu_forget_loss(logits, roles, reference)
+    scaled, _ = palu_forget_loss(logits, roles, reference, local_loss_scale="reference")
+    assert scaled.item() == pytest.approx(1.0)
+    assert paper.item() == pytest.approx(expected_spread.mean().item())
+    moved = logits.clone()
+    moved[0, 0, reference.topk_indices[0, :3]] -= 2.0  # one position's top entries pulled down
+    per_position = local_entropy_loss(moved[0, :-1][roles[0, 1:] == INI], reference.topk_indices, scale=None)
+    paper_doubled, _ = palu_forget_loss(2 * moved, roles, reference)
+    scaled_moved, _ = palu_forget_loss(moved, roles, reference, local_loss_scale="reference")
+    scaled_doubled, _ = palu_forget_loss(2 * moved, roles, reference, local_loss_scale="reference")
+    assert paper_doubled.item() == pytest.approx(4 * per_position.item())
+    assert scaled_moved.item() != pytest.approx(1.0)
+    doubled_reference = reference_targets(2 * logits, roles, top_k=7)
+    rescaled, _ = palu_forget_loss(2 * moved, roles, doubled_reference, local_loss_scale="reference")
+    assert rescaled.item() == pytest.approx(scaled_moved.item())
+    assert scaled_doubled.item() == pytest.approx(4 * scaled_moved.item())
+
+
+def test_unknown_local_loss_scale_lists_the_choices():
+    logits = torch.randn(1, 3, 10)
+    roles = torch.tensor([[IGN, INI, COM]])
+    with pytest.raises(ValueError, match="local_loss_scale.*none.*reference"):
+        palu_forget_loss(logits, roles, reference_targets(logits, roles, 3), local_loss_scale="initial")
+
+
+def test_term_gradient_norms_are_each_weighted_terms_own_gradient():
+    """Each norm is that term's gradient alone (weights included), over all parameters together; the
+    graph survives for the step's own backward; a constant term has norm 0."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 3, requires_grad=True), torch.randn(4, requires_grad=True)
+    x = torch.randn(5, 3)
+    out = x @ weight.T + bias
+    local_loss, kl_loss, retain_loss = out.pow(2).mean(), out.sum(), torch.zeros(())
+    terms = dict(zip(("local", "kl", "retain"), palu_terms(local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0)))
+    norms = term_gradient_norms(terms, [weight, bias])
+    for name, term in terms.items():
+        if name == "retain":
+            continue
+        grads = torch.autograd.grad(term, [weight, bias], retain_graph=True)
+        expected = torch.cat([g.flatten() for g in grads]).norm().item()
+        assert norms[name] == pytest.approx(expected, rel=1e-6)
+    assert norms["retain"] == 0.0
+    kl_alone = torch.autograd.grad(kl_loss, [weight, bias], retain_graph=True)
+    assert norms["kl"] == pytest.approx(1.5 * torch.cat([g.flatten() for g in kl_alone]).norm().item())
+    sum(palu_terms(local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0)).backward()  # the graph is still there
+    assert weight.grad is not None
 
 
 def reference_of(reference_logits):

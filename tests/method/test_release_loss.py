@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from palu_trainer.method.losses import palu_forget_loss, palu_loss, reference_targets
+from palu_trainer.method.losses import palu_forget_loss, palu_terms, reference_targets
 from palu_trainer.method.roles import TokenRole
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
@@ -57,7 +57,7 @@ def test_release_form_matches_the_naive_loop_in_value_and_gradient(seed):
     local, kl = palu_forget_loss(
         current, roles, targets, "global_mean", target_gradient=True, kl_direction="policy_to_ref"
     )
-    ours = palu_loss(local, kl, retain, gamma=gamma, alpha=alpha, kl_weight="alpha")
+    ours = sum(palu_terms(local, kl, retain, gamma=gamma, alpha=alpha, kl_weight="alpha"))
     naive = naive_released_loss(current, reference, roles.tolist(), retain, top_k, gamma, alpha)
 
     assert ours.item() == pytest.approx(naive.item(), abs=1e-6, rel=1e-6)
@@ -75,5 +75,5 @@ def test_paper_form_differs_from_the_release():
     retain = torch.tensor(1.0, dtype=torch.float64)
     naive = naive_released_loss(current, reference, roles.tolist(), retain, 4, 1.0, 2.0)
     local, kl = palu_forget_loss(current, roles, reference_targets(reference, roles, 4))
-    paper = palu_loss(local, kl, retain, gamma=1.0, alpha=2.0, kl_weight=1.0)
+    paper = sum(palu_terms(local, kl, retain, gamma=1.0, alpha=2.0, kl_weight=1.0))
     assert abs(paper.item() - naive.item()) > 1e-3

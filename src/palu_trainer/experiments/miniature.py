@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -278,8 +279,10 @@ def model_paths(model_dir: Path) -> list[str]:
 
 
 def unlearning_run_name(method: str, params: dict) -> str:
-    """NPO_lr0.001, or NPO_lr0.001_beta0.5 for a knob's value."""
-    return method + "".join(f"_{key}{value:g}" for key, value in params.items())
+    """NPO_lr0.001, or NPO_lr0.001_beta0.5 for a knob's value (a text value as itself: a variant's name)."""
+    return method + "".join(
+        f"_{key}{value:g}" if isinstance(value, int | float) else f"_{value}" for key, value in params.items()
+    )
 
 
 class Stages:
@@ -385,8 +388,21 @@ class Stages:
 
         return self.run_cached_stage(f"finetune {name} on {train_split}", "finetune", key, produce)
 
-    def evaluate(self, name: str, model_dir: Path, retain_eval: Future | None, cache: bool) -> Path:
-        """Stock evaluation against Retain's, once `retain_eval` gives its eval file (None: Retain itself)."""
+    def evaluate(
+        self,
+        name: str,
+        model_dir: Path,
+        retain_eval: Future | None,
+        cache: bool,
+        metrics: Sequence[str] | None = None,
+        key: Sequence[str] | None = None,
+    ) -> Path:
+        """Stock evaluation against Retain's, once `retain_eval` gives its eval file (None: Retain itself).
+
+        metrics: Hydra overrides that choose the metrics (None: the stock set and the scorecard's paper
+        metrics). key: with `cache`, what identifies the model instead of its weights' digest (so that the
+        weights may be deleted once evaluated).
+        """
         retain_logs = retain_eval.result() if retain_eval is not None else None
         experiment = self.facts.tiny_eval_experiment
         batch = self.size.eval_batch_size
@@ -396,7 +412,7 @@ class Stages:
             *(self.model_overrides(training=False) if self.size.model_config != "tiny-llama" else []),
             *([f"eval.{self.facts.name.lower()}.batch_size={batch}"] if batch else []),
             *self.benchmark_overrides(),
-            *self.facts.scorecard.metric_overrides(cuda=False),
+            *(self.facts.scorecard.metric_overrides(cuda=False) if metrics is None else metrics),
             f"retain_logs_path={retain_logs or 'null'}",
             f"task_name={name}_eval",
         ]
@@ -408,7 +424,7 @@ class Stages:
         stage = f"evaluate {name}"
         if cache:
             key = [
-                file_digest(model_dir / "model.safetensors"),
+                *(key or [file_digest(model_dir / "model.safetensors")]),
                 *self.benchmark_digest(),
                 file_digest(CONFIG_DIR / "experiment" / f"{experiment}.yaml"),
                 *overrides,

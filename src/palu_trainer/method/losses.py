@@ -18,6 +18,9 @@ from palu_trainer.method.roles import TokenRole
 
 TARGETS = ("global_mean", "topk_mean", "ref_mean", "uniform", "zero")
 KL_DIRECTIONS = ("ref_to_policy", "policy_to_ref")
+# `none`: the paper's local loss; `reference`: each initiating position's loss divided by the reference's own
+# (its `topk_spread`), so the term starts near 1 whatever the model's logit scale (issue 30's utility cliff).
+LOCAL_LOSS_SCALES = ("none", "reference")
 # Logits held at once by the losses that project hidden states themselves (`*_at_positions`): 2**22 fp32
 # numbers (16 MiB, 32 positions at |V| = 128256); a step never holds (positions x |V|) logits.
 LOGIT_CHUNK_ELEMENTS = 2**22
@@ -31,6 +34,8 @@ class ReferenceTargets:
 
     topk_indices: (M, K) int64, the reference's top-K vocabulary entries at each initiating position.
     logit_mean: (M,) fp32, the reference's mean logit there (the `ref_mean` target).
+    topk_spread: (M,) fp32, the reference's own local loss there, (1/K)·Σ_{top-K}(z_ref − mean z_ref)²: the
+        divisor of `local_loss_scale=reference`.
     common_probs: (C, V) the reference's probabilities P_ref at each common position; for KL(P_ref ‖ P_θ).
     common_neg_entropy: (C,) fp32, Σ P_ref·log P_ref there: the constant part of KL(P_ref ‖ P_θ).
     common_log_probs: (C, V) log P_ref there, exact where P_ref underflows; for KL(P_θ ‖ P_ref).
@@ -45,6 +50,7 @@ class ReferenceTargets:
 
     topk_indices: torch.Tensor
     logit_mean: torch.Tensor
+    topk_spread: torch.Tensor | None = None
     common_probs: torch.Tensor | None = None
     common_neg_entropy: torch.Tensor | None = None
     common_log_probs: torch.Tensor | None = None
@@ -54,8 +60,9 @@ class ReferenceTargets:
 
     def initiating_rows(self, rows: slice) -> "ReferenceTargets":
         """The same targets with only the initiating positions `rows` (common fields unchanged)."""
+        spread = None if self.topk_spread is None else self.topk_spread[rows]
         return dataclasses.replace(
-            self, topk_indices=self.topk_indices[rows], logit_mean=self.logit_mean[rows]
+            self, topk_indices=self.topk_indices[rows], logit_mean=self.logit_mean[rows], topk_spread=spread
         )
 
     def common_rows(self, rows: slice) -> "ReferenceTargets":
@@ -150,6 +157,10 @@ def check_target(target: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown local-loss target c={target!r}; choose one of {', '.join(TARGETS)}")
     return target
+
+
+def check_local_loss_scale(local_loss_scale: str) -> str:
+    return check_choice("local_loss_scale", local_loss_scale, LOCAL_LOSS_SCALES)
 
 
 def check_kl_direction(kl_direction: str) -> str:
@@ -280,7 +291,9 @@ def initiating_targets(logits: torch.Tensor, top_k: int) -> dict[str, torch.Tens
     """`ReferenceTargets`' initiating fields from the reference's logits there (M, V)."""
     with torch.no_grad():
         logits = at_least_fp32(logits)
-        return {"topk_indices": logits.topk(top_k, dim=-1).indices, "logit_mean": logits.mean(dim=-1)}
+        top, mean = logits.topk(top_k, dim=-1), logits.mean(dim=-1)
+        spread = (top.values - mean.unsqueeze(-1)).pow(2).mean(dim=-1)
+        return {"topk_indices": top.indices, "logit_mean": mean, "topk_spread": spread}
 
 
 def common_targets(
@@ -320,8 +333,9 @@ def local_entropy_loss(
     target: str = "global_mean",
     reference_logit_mean: torch.Tensor | None = None,
     target_gradient: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)².
+    """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)² (divided by `scale` per position).
 
     Args:
         logits: (M, V) current-model logits at the initiating positions.
@@ -335,6 +349,8 @@ def local_entropy_loss(
         target_gradient: False (the paper): c is a fixed target, so only the K reference entries of each
             row receive gradient. True (the released code): the gradient also flows through c into every
             logit it is computed from.
+        scale: None (the paper) or (M,) positive divisors of each position's loss (the reference's
+            `topk_spread`: a scale-free form, 1 at the first step for `global_mean`).
 
     Returns:
         Scalar fp32 (float64 for float64 logits); exactly 0 when M == 0.
@@ -358,7 +374,10 @@ def local_entropy_loss(
         center = torch.zeros_like(selected[:, 0])
     if not target_gradient:
         center = center.detach()
-    return (selected - center.unsqueeze(-1)).pow(2).mean(dim=-1).mean()
+    per_position = (selected - center.unsqueeze(-1)).pow(2).mean(dim=-1)
+    if scale is not None:
+        per_position = per_position / scale.to(per_position.dtype).clamp_min(torch.finfo(torch.float32).tiny)
+    return per_position.mean()
 
 
 class _KLFromReference(torch.autograd.Function):
@@ -698,6 +717,15 @@ def reference_targets_at_positions(
         )
 
 
+def local_scale(reference: ReferenceTargets, local_loss_scale: str) -> torch.Tensor | None:
+    """The per-position divisors of the local loss that `local_loss_scale` asks for (None: the paper's)."""
+    if check_local_loss_scale(local_loss_scale) == "none":
+        return None
+    if reference.topk_spread is None:
+        raise ValueError("local_loss_scale=reference needs the reference's topk_spread (initiating_targets)")
+    return reference.topk_spread
+
+
 def palu_forget_loss_at_positions(
     hidden: torch.Tensor,
     project: Callable,
@@ -709,6 +737,7 @@ def palu_forget_loss_at_positions(
     chunk_rows: int | None = None,
     num_chunks: tuple[int, int] | None = None,
     recompute: bool = True,
+    local_loss_scale: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`palu_forget_loss` from the final hidden states (B, T, d): the output projection `project`
     ((n, d) -> (n, V)) runs only at the initiating and common positions, `chunk_rows` positions at a
@@ -718,6 +747,7 @@ def palu_forget_loss_at_positions(
     reference: `ReferenceTargets` (cached), or `ReferenceFromModel`, whose targets are projected chunk by
     chunk inside the same checkpointed chunks. num_chunks: (initiating, common) projection calls, for
     ZeRO-3 (see `mean_over_chunks`); None: as many as the rows need. recompute: see `mean_over_chunks`.
+    local_loss_scale: see `palu_forget_loss`.
     """
     initiating_chunks, common_chunks = num_chunks or (None, None)
 
@@ -729,6 +759,7 @@ def palu_forget_loss_at_positions(
             target=target,
             reference_logit_mean=chunk_reference.logit_mean,
             target_gradient=target_gradient,
+            scale=local_scale(chunk_reference, local_loss_scale),
         )
 
     def kl_rows(logits, rows):
@@ -746,6 +777,7 @@ def palu_forget_loss(
     target: str = "global_mean",
     target_gradient: bool = False,
     kl_direction: str = "ref_to_policy",
+    local_loss_scale: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local entropy and KL terms of one forget batch; redundant tokens contribute nothing.
 
@@ -756,6 +788,8 @@ def palu_forget_loss(
         target, target_gradient: c of the local loss and whether gradient flows through it.
         kl_direction: `ref_to_policy` KL(P_ref ‖ P_θ) (the paper) or `policy_to_ref` KL(P_θ ‖ P_ref)
             (the released code).
+        local_loss_scale: `none` (the paper) or `reference`: each initiating position's local loss divided
+            by the reference's own there (`ReferenceTargets.topk_spread`), an option, not the paper's loss.
 
     Returns:
         (local_loss, kl_loss), both fp32 scalars (float64 for float64 logits).
@@ -767,6 +801,7 @@ def palu_forget_loss(
         target=target,
         reference_logit_mean=reference.logit_mean,
         target_gradient=target_gradient,
+        scale=local_scale(reference, local_loss_scale),
     )
     return local, reference_kl_loss(common, reference, kl_direction)
 
@@ -804,19 +839,33 @@ def label_nll_at_positions(
     return mean_over_chunks(flat, project, mean_nll, chunk_rows, num_chunks, recompute)
 
 
-def palu_loss(
+def palu_terms(
     local_loss: torch.Tensor,
     kl_loss: torch.Tensor,
     retain_loss: torch.Tensor,
     gamma: float = 1.0,
     alpha: float = 1.0,
     kl_weight: float | str = 1.0,
-) -> torch.Tensor:
-    """The training loss from PALU's three scalar terms.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PALU's three scalar terms with their weights, (local, KL, retain): the training loss is their sum.
 
-    kl_weight λ a number: gamma·(local + λ·KL) + alpha·retain (the paper).
-    kl_weight `alpha`: gamma·local + alpha·KL + alpha·retain (the released code: one alpha for both).
+    kl_weight λ a number: gamma·local, gamma·λ·KL, alpha·retain (the paper).
+    kl_weight `alpha`: gamma·local, alpha·KL, alpha·retain (the released code: one alpha for both).
     """
-    if check_kl_weight(kl_weight) == "alpha":
-        return gamma * local_loss + alpha * kl_loss + alpha * retain_loss
-    return gamma * (local_loss + kl_weight * kl_loss) + alpha * retain_loss
+    kl_factor = alpha if check_kl_weight(kl_weight) == "alpha" else gamma * kl_weight
+    return gamma * local_loss, kl_factor * kl_loss, alpha * retain_loss
+
+
+def term_gradient_norms(terms: dict[str, torch.Tensor], parameters: list[torch.Tensor]) -> dict[str, float]:
+    """The L2 norm of each term's gradient over `parameters` (all of them together), one backward pass per
+    term through the same graph (kept for the training step's own backward). A term that does not depend
+    on the parameters (a zero retain loss, a batch without initiating tokens) has norm 0."""
+    norms = {}
+    for name, term in terms.items():
+        if not term.requires_grad:
+            norms[name] = 0.0
+            continue
+        gradients = torch.autograd.grad(term, parameters, retain_graph=True, allow_unused=True)
+        squares = [gradient.float().pow(2).sum() for gradient in gradients if gradient is not None]
+        norms[name] = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    return norms

@@ -47,16 +47,17 @@ def resolve_top_m(top_m, vocab_size: int) -> int:
 class ReferenceCache:
     """Per forget row (keyed by dataset index), on host memory.
 
-    topk_indices[i]: (M_i, K) int32; logit_mean[i]: (M_i,) fp32; rows in the order of the row's initiating /
-    common positions. common_indices[i]: (C_i, m) int32, the reference's m most probable entries there.
-    For KL(P_ref ‖ P_θ): common_probs[i] (C_i, m) in the cache dtype, common_tail_mass[i] and
-    common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i] (C_i, m) in the cache dtype
-    (log P_ref itself, so probabilities that underflow to 0 keep their exact log) and
-    common_log_tail_mass[i] (C_i,) fp32. Unused tables are empty.
+    topk_indices[i]: (M_i, K) int32; logit_mean[i] and topk_spread[i]: (M_i,) fp32; rows in the order of
+    the row's initiating / common positions. common_indices[i]: (C_i, m) int32, the reference's m most
+    probable entries there. For KL(P_ref ‖ P_θ): common_probs[i] (C_i, m) in the cache dtype,
+    common_tail_mass[i] and common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i]
+    (C_i, m) in the cache dtype (log P_ref itself, so probabilities that underflow to 0 keep their exact
+    log) and common_log_tail_mass[i] (C_i,) fp32. Unused tables are empty.
     """
 
     topk_indices: dict[int, torch.Tensor] = field(default_factory=dict)
     logit_mean: dict[int, torch.Tensor] = field(default_factory=dict)
+    topk_spread: dict[int, torch.Tensor] = field(default_factory=dict)
     common_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     common_neg_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
     common_log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -159,13 +160,13 @@ def estimated_nbytes(
     """Host bytes `build_reference_cache` would hold for this many initiating and common positions (see
     `count_positions`): known before anything is built.
 
-    Per initiating position: K int32 indices and one fp32 mean. Per common position: m int32 entries and
-    their (log) probabilities in `dtype`, plus the fp32 tail mass and KL constant (ref_to_policy) or the
-    fp32 log tail mass (policy_to_ref).
+    Per initiating position: K int32 indices, an fp32 mean and an fp32 spread. Per common position: m int32
+    entries and their (log) probabilities in `dtype`, plus the fp32 tail mass and KL constant (ref_to_policy)
+    or the fp32 log tail mass (policy_to_ref).
     """
     item_size = torch.empty((), dtype=dtype).element_size()
     per_common = top_m * (INDEX_BYTES + item_size) + (4 if kl_direction == "policy_to_ref" else 8)
-    return common * per_common + initiating * (top_k * INDEX_BYTES + 4)
+    return common * per_common + initiating * (top_k * INDEX_BYTES + 8)
 
 
 def describe(cache: ReferenceCache, top_k: int, dtype: torch.dtype) -> str:

@@ -15,6 +15,7 @@ from palu_trainer.method.losses import (
     check_choice,
     check_kl_direction,
     check_kl_weight,
+    check_local_loss_scale,
     check_loss_weights,
     check_number,
     check_target,
@@ -27,11 +28,12 @@ from palu_trainer.method.losses import (
     logit_chunk_rows,
     palu_forget_loss,
     palu_forget_loss_at_positions,
-    palu_loss,
+    palu_terms,
     reference_targets_at_positions,
     resolve_top_k,
     select_predictions,
     targets_from_selected,
+    term_gradient_norms,
 )
 from palu_trainer.method.reference_cache import (
     build_reference_cache,
@@ -80,6 +82,13 @@ class PALUTrainer(GradDiff):
         reference_cache_max_gib: with `auto`, the cache is only built when its estimate (per rank: every
             rank holds the whole forget set) fits this budget; above it the reference model is kept
             instead, and the log says why.
+        local_loss_scale: `none` (the paper's local loss) or `reference` (each initiating position's loss
+            divided by the reference's own there: scale-free, ~1 at the first step; an option for the
+            utility cliff of docs/real-model.md, not the paper's loss).
+        log_term_gradient_norms: at each logging step, also log the gradient norm of each weighted term
+            (gamma·local, gamma·λ·KL, alpha·retain: `grad_norm_local`, `grad_norm_kl`, `grad_norm_retain`),
+            before clipping, from one extra backward pass per term on that step's micro-batch. Not under
+            DeepSpeed (its partitioned gradients are not the parameters' `.grad`).
 
     Logits are projected only where a loss reads them (forget: initiating and common positions; retain
     NLL: label positions), LOGIT_CHUNK_ELEMENTS at a time under activation checkpointing, for the models
@@ -107,6 +116,8 @@ class PALUTrainer(GradDiff):
         reference_cache_top_m=512,
         reference_cache_dtype="float32",
         reference_cache_max_gib=4.0,
+        local_loss_scale="none",
+        log_term_gradient_norms=False,
         *args,
         **kwargs,
     ):
@@ -123,6 +134,8 @@ class PALUTrainer(GradDiff):
                 "reference_cache_top_m": reference_cache_top_m,
                 "reference_cache_dtype": reference_cache_dtype,
                 "reference_cache_max_gib": reference_cache_max_gib,
+                "local_loss_scale": local_loss_scale,
+                "log_term_gradient_norms": log_term_gradient_norms,
             }
         )
         super().__init__(*args, **kwargs)
@@ -134,6 +147,14 @@ class PALUTrainer(GradDiff):
         self.target_gradient = target_gradient
         self.kl_direction = kl_direction
         self.kl_weight = kl_weight
+        self.local_loss_scale = local_loss_scale
+        self.log_term_gradient_norms = bool(log_term_gradient_norms)
+        if self.log_term_gradient_norms and self.is_deepspeed_enabled:
+            raise ValueError(
+                "method_args.log_term_gradient_norms=true reads each term's gradient from the parameters, "
+                "which ZeRO-3 partitions: run it without DeepSpeed (one process or DDP)"
+            )
+        self._term_gradient_norms: dict[str, float] = {}
         self.top_k = resolve_top_k(top_k, reachable_vocab_size(self.model, self._tokenizer()))
         self._check_forget_batches(merge_adjacent_spans)
         self.reference_cache_dtype = cache_dtype(reference_cache_dtype)
@@ -182,6 +203,10 @@ class PALUTrainer(GradDiff):
             "reference_cache_dtype": cache_dtype,
             "reference_cache_max_gib": lambda value: check_number(
                 "reference_cache_max_gib", value, "host GiB per rank that reference_cache=auto may use"
+            ),
+            "local_loss_scale": check_local_loss_scale,
+            "log_term_gradient_norms": lambda value: check_choice(
+                "log_term_gradient_norms", value, (True, False)
             ),
         }
         for name, check in checks.items():
@@ -360,6 +385,7 @@ class PALUTrainer(GradDiff):
         roles = forget["token_roles"]
         reference = self._reference(forward_inputs, roles, forget["index"])
         loss_options = (self.target, self.target_gradient, self.kl_direction)
+        scale = {"local_loss_scale": self.local_loss_scale}
         retain_at_positions = self.retain_loss_type == "NLL" and self.projects_at_positions
         if self.projects_at_positions:
             retain_labels = inputs["retain"]["labels"] if retain_at_positions else None
@@ -377,10 +403,13 @@ class PALUTrainer(GradDiff):
                 self.logit_chunk_rows,
                 forget_calls,
                 recompute=not self.is_deepspeed_enabled,
+                **scale,
             )
         else:
             forget_outputs = model(**forward_inputs)
-            local_loss, kl_loss = palu_forget_loss(forget_outputs.logits, roles, reference, *loss_options)
+            local_loss, kl_loss = palu_forget_loss(
+                forget_outputs.logits, roles, reference, *loss_options, **scale
+            )
 
         if self.retain_loss_type == "none":
             retain_loss = torch.zeros((), device=local_loss.device)
@@ -400,9 +429,22 @@ class PALUTrainer(GradDiff):
             else:
                 retain_loss = self.compute_retain_loss(model=model, retain_inputs=retain_inputs)
 
-        loss = palu_loss(local_loss, kl_loss, retain_loss, self.gamma, self.alpha, self.kl_weight)
+        terms = palu_terms(local_loss, kl_loss, retain_loss, self.gamma, self.alpha, self.kl_weight)
+        loss = sum(terms)
         self._record_terms(local_loss, kl_loss, retain_loss, roles)
+        if self.log_term_gradient_norms and model.training and self._logs_after_this_step():
+            self._term_gradient_norms = term_gradient_norms(
+                dict(zip(("local", "kl", "retain"), terms)),
+                [parameter for parameter in model.parameters() if parameter.requires_grad],
+            )
         return (loss, forget_outputs) if return_outputs else loss
+
+    def _logs_after_this_step(self) -> bool:
+        """Whether the optimizer step this micro-batch belongs to ends in a training log (the Trainer's
+        rule: the first step with logging_first_step, then every logging_steps)."""
+        step = self.state.global_step + 1
+        first = step == 1 and self.args.logging_first_step
+        return first or (self.args.logging_steps > 0 and step % self.args.logging_steps == 0)
 
     def _record_terms(self, local_loss, kl_loss, retain_loss, roles):
         counts = count_roles(roles)
@@ -424,6 +466,10 @@ class PALUTrainer(GradDiff):
             means = totals[:-1] / totals[-1]
             means[3:] = totals[3:-1] / steps  # counts: per optimizer step, over all ranks and micro-batches
             logs = {**logs, **{name: round(float(value), 4) for name, value in zip(LOGGED_TERMS, means)}}
+            logs |= {
+                f"grad_norm_{name}": round(value, 4) for name, value in self._term_gradient_norms.items()
+            }
+            self._term_gradient_norms = {}
             self._term_sums.zero_()
             self._term_batches = 0
         super().log(logs, *args, **kwargs)

@@ -1,0 +1,664 @@
+"""The converged real-model experiment (issue 30): `make converged` (`python -m
+palu_trainer.experiments.converged --data tofu --tofu-dir ...`).
+
+The real-model experiment's data, model, Original and Retain (experiments/real_model.py, cached), at the
+paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's warmup_ratio 0.1).
+1. tuning on seed 0: every method on the same learning-rate grid x two values of its own knob
+   (`KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are evaluated with the
+   curve metrics (FQ, MU, forget ROUGE; KS D follows from FQ) and the last with the full stock set;
+2. fronts: every (run, evaluated epoch) is a point (MU, FQ); each method's Pareto front, and the best FQ it
+   reaches while keeping MU at 90% and 80% of the Original's;
+3. seeds: the setting that the selection rule picks per method (on the last epoch), on seeds 1 and 2, curves
+   included: the table is mean [min–max] over 3 seeds;
+4. PALU's utility cliff: at the pilot's cliff learning rate, the paper's knobs beyond its grid and the
+   scale-free local loss (`local_loss_scale=reference`), with each term's gradient norm logged.
+Every unlearning run and evaluation is cached on disk by its inputs (a stopped experiment continues);
+checkpoints and weights are deleted once evaluated. `--plan` prints every run and the estimated time.
+"""
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy
+
+from palu_trainer.experiments import real_model, report
+from palu_trainer.experiments.convergence import epochs_of
+from palu_trainer.experiments.methods import METHODS, REAL_MODEL_METHODS
+from palu_trainer.experiments.miniature import (
+    SMOLLM2,
+    TOFU_SIZES,
+    Miniature,
+    RealTofuSize,
+    add_arguments,
+    parse_arguments,
+    start_run,
+    tofu_miniature,
+)
+from palu_trainer.experiments.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
+from palu_trainer.framework.checkout import PROJECT_ROOT
+
+# The learning-rate grid, the same for every method. Pilot (issue 30's table, 8a3b9e1, seed 0, 10 epochs):
+# at 1e-5 PALU and TPO barely move (forget ROUGE 0.90, 0.88), at 3e-5 PALU's MU collapses while NPO and TPO
+# keep 88% of it, and 1e-4 (the 2-epoch table's upper rate) is where the others collapse too.
+LEARNING_RATES = (1e-5, 3e-5, 1e-4)
+# Two values of each method's knob: its config's value, then the next value of its grid (methods.METHODS) on
+# the side that keeps more utility, since the pilot's failure mode was lost utility (a larger retain weight
+# α for GradDiff, a larger β for NPO, SimNPO and TPO, a larger λ for PALU).
+KNOB_VALUES = {
+    "GradDiff": (1.0, 2.0),
+    "NPO": (0.1, 0.5),
+    "SimNPO": (4.5, 6.5),
+    "TPO": (0.32, 1.0),
+    "PALU": (1.0, 2.0),
+}
+CURVE_EPOCHS = (1, 2, 4, 6, 8)  # evaluated with the curve metrics; the last epoch with the full set
+# The curve metrics: the stock set without the ones the curves do not read (forget_quality computes the
+# forget truth ratios itself; model_utility its nine parts).
+CURVE_METRICS = tuple(
+    f"~eval.tofu.metrics.{name}"
+    for name in ("forget_Truth_Ratio", "forget_Q_A_Prob", "privleak", "extraction_strength")
+)
+PER_EPOCH = (
+    "trainer.args.save_strategy=epoch",
+    "trainer.args.save_only_model=true",
+    "trainer.args.logging_first_step=true",
+)
+TERM_GRADIENT_NORMS = "trainer.method_args.log_term_gradient_norms=true"
+UTILITY_SHARES = (0.9, 0.8)  # the fronts' "equal utility": MU at least this share of the Original's
+CLIFF_LEARNING_RATE = 3e-5  # the pilot's: PALU reaches FQ 0.27 there and its MU falls to 0
+# The cliff study's variants of PALU (seed 0, λ 1 unless changed): the paper's knobs across and beyond its
+# grid, then the scale-free local loss. The unchanged setting is the tuning run at the same rate.
+CLIFF_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # label: (name in run names, overrides)
+    "λ=10 (grid top)": ("lambda10", ("trainer.method_args.kl_weight=10.0",)),
+    "λ=100": ("lambda100", ("trainer.method_args.kl_weight=100.0",)),
+    "α=10 (retain weight)": ("alpha10", ("trainer.method_args.alpha=10.0",)),
+    "K=1% of |V|": ("topk0.01", ("trainer.method_args.top_k=0.01",)),
+    "c=top-K mean": ("target-topk_mean", ("trainer.method_args.target=topk_mean",)),
+    "N=1": ("n1", ("num_initiating_tokens=1",)),
+    "scale-free local loss": ("scale-reference", ("trainer.method_args.local_loss_scale=reference",)),
+}
+CURVE_EVAL_SECONDS = 165.0  # forget truth ratios 90 s, forget ROUGE 14 s, MU's sets 58 s (miniature.py)
+
+CONVERGED = replace(SMOLLM2, unlearn_epochs=10, unlearn_learning_rates=LEARNING_RATES, tune_knobs=True)
+# The FAST variant (`--fast`, tests): 2 forget rows, 2 epochs (the first evaluated), one rate, seeds 0 and 1.
+CONVERGED_FAST = replace(
+    TOFU_SIZES["smollm2-fast"], unlearn_epochs=2, unlearn_learning_rates=(5e-5,), tune_knobs=True
+)
+TOFU_SIZES["smollm2-converged"] = CONVERGED
+TOFU_SIZES["smollm2-converged-fast"] = CONVERGED_FAST
+
+
+@dataclass(frozen=True)
+class Point:
+    """One evaluated epoch of one run: its metrics (KS D added) and wall seconds of unlearning so far."""
+
+    run: Run
+    epoch: int
+    metrics: Mapping
+
+    @property
+    def utility(self) -> float:
+        return self.metrics.get(UTILITY) or 0.0
+
+    @property
+    def quality(self) -> float:
+        return self.metrics.get(FORGETTING) or 0.0
+
+
+def ks_statistic(forget_quality: float | None, rows: int) -> int | None:
+    """D·rows, the KS statistic of the forget truth ratios in steps of 1/rows, from FQ: with `rows` values
+    on each side FQ takes only the p-values of `real_model.fq_ladder`, one per D."""
+    if forget_quality is None or math.isnan(forget_quality):
+        return None
+    ladder = numpy.log(numpy.maximum(real_model.fq_ladder(rows), 1e-300))
+    return int(numpy.argmin(abs(ladder - math.log(max(forget_quality, 1e-300)))))
+
+
+def evaluated_epochs(epochs: int) -> tuple[int, ...]:
+    """The epochs evaluated with the curve metrics (`CURVE_EPOCHS` below the last)."""
+    return tuple(epoch for epoch in CURVE_EPOCHS if epoch < epochs)
+
+
+def knob_grid(method: str, learning_rates: Sequence[float]) -> list[tuple[float, dict, tuple[str, ...]]]:
+    """(learning rate, params, overrides) of every tuning run of `method`."""
+    knob = METHODS[method].knob
+    return [
+        (rate, {"lr": rate, knob.name: value}, (f"{knob.key}={value}",))
+        for rate in learning_rates
+        for value in KNOB_VALUES[method]
+    ]
+
+
+def tuning_runs(methods: Sequence[str], size: RealTofuSize) -> list[Run]:
+    return [
+        Run(method, method, size.seeds[0], rate, params, extra)
+        for method in methods
+        for rate, params, extra in knob_grid(method, size.unlearn_learning_rates)
+    ]
+
+
+def cliff_runs(size: RealTofuSize) -> list[Run]:
+    """PALU's cliff variants at the cliff's learning rate (the grid's first rate where it has none)."""
+    rates = size.unlearn_learning_rates
+    rate = CLIFF_LEARNING_RATE if CLIFF_LEARNING_RATE in rates else rates[0]
+    _, params, stock = knob_grid("PALU", [rate])[0]
+    return [
+        Run(label, "PALU", size.seeds[0], rate, {**params, "variant": name}, (*stock, *overrides))
+        for label, (name, overrides) in CLIFF_VARIANTS.items()
+    ]
+
+
+def run_overrides(run: Run) -> tuple[str, ...]:
+    """The run's command line additions: its own, checkpoints per epoch, and PALU's term gradient norms."""
+    norms = (TERM_GRADIENT_NORMS,) if run.method == "PALU" else ()
+    return (*run.overrides(), *PER_EPOCH, *norms)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A run's evaluated epochs, its folder (logs, trainer_state.json) and its unlearning seconds."""
+
+    run: Run
+    points: list[Point]
+    out_dir: Path
+    seconds: float
+
+
+def unlearn_with_curve(mini: Miniature, run: Run) -> Curve:
+    """Unlearn Original as `run` says, saving every epoch; evaluate the curve epochs' checkpoints and the
+    final model (each cached by the run's cache folder and epoch), then delete checkpoints and weights."""
+    stages, epochs = mini.stages, mini.stages.size.unlearn_epochs
+    out_dir, seconds = stages.unlearn_cached(
+        run.method, run.learning_rate, mini.original_dir, run_overrides(run), run.name
+    )
+    checkpoints = {round(epochs_of(path)): path for path in out_dir.glob("checkpoint-*")}
+    rows = stages.size.layout.forget_rows
+    points = []
+    for epoch in (*evaluated_epochs(epochs), epochs):
+        final = epoch == epochs
+        eval_json = stages.evaluate(
+            f"{run.name}_epoch{epoch}",
+            out_dir if final else checkpoints.get(epoch, out_dir / f"checkpoint-of-epoch-{epoch}"),
+            mini.retain_eval,
+            cache=True,
+            metrics=None if final else CURVE_METRICS,
+            key=[out_dir.name, f"epoch {epoch}"],
+        )
+        metrics = report.metrics_from_eval(eval_json, SCORECARD)
+        metrics["ks_d"] = ks_statistic(metrics[FORGETTING], rows)
+        points.append(Point(run, epoch, metrics))
+    for path in out_dir.glob("checkpoint-*"):
+        shutil.rmtree(path)
+    (out_dir / "model.safetensors").unlink(missing_ok=True)
+    return Curve(run, points, out_dir, seconds)
+
+
+def pareto_front(points: Sequence[Point]) -> list[Point]:
+    """The points no other beats on both MU and FQ, by MU descending (FQ then ascends)."""
+    front, best = [], -math.inf
+    for point in sorted(points, key=lambda p: (-p.utility, -p.quality)):
+        if point.quality > best:
+            front.append(point)
+            best = point.quality
+    return front
+
+
+def best_at_utility(points: Sequence[Point], floor: float) -> Point | None:
+    """The point of highest FQ among those with MU >= floor (None: no point keeps that much)."""
+    kept = [point for point in points if point.utility >= floor]
+    return max(kept, key=lambda p: p.quality) if kept else None
+
+
+def select(curves: Sequence[Curve], original_utility: float) -> Curve:
+    """The selection rule (real_model.SCORECARD's) on the runs' last epochs."""
+    finals = [report.EvaluatedModel(curve.points[-1].metrics) for curve in curves]
+    chosen = report.select_run(finals, original_utility, SCORECARD)
+    return curves[finals.index(chosen)]
+
+
+TERM_KEYS = ("local_loss", "kl_loss", "retain_loss", "grad_norm", "grad_norm_local", "grad_norm_kl")
+TERM_KEYS += ("grad_norm_retain",)
+
+
+def logged_terms(curve: Curve) -> list[dict]:
+    """PALU's logged terms and gradient norms at every logged step of the run (trainer_state.json)."""
+    state = json.loads((curve.out_dir / "trainer_state.json").read_text())
+    return [
+        {key: entry.get(key) for key in ("step", *TERM_KEYS)}
+        for entry in state["log_history"]
+        if "local_loss" in entry
+    ]
+
+
+def commit_of(path: Path = PROJECT_ROOT) -> str:
+    """The checkout's commit, `+dirty` when tracked files differ from it (the numbers' provenance)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], cwd=path, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return (
+        head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        if head.returncode == 0
+        else "unknown"
+    )
+
+
+def setting(run: Run) -> str:
+    return report.format_params({key: value for key, value in run.params.items() if key != "variant"})
+
+
+def curve_spreads(curves: Sequence[Curve], original: Mapping) -> dict[int, dict[str, Spread | None]]:
+    """Per epoch (0 = Original), each metric over the curves' seeds."""
+    epochs = [0, *(point.epoch for point in curves[0].points)]
+    spreads = {0: aggregate([report.EvaluatedModel(dict(original))])}
+    for index, epoch in enumerate(epochs[1:]):
+        spreads[epoch] = aggregate(
+            [report.EvaluatedModel(dict(curve.points[index].metrics)) for curve in curves]
+        )
+    return spreads
+
+
+CURVE_PANELS = (
+    (FORGETTING, "forget quality (log)", True),
+    (UTILITY, "model utility (MU)", False),
+    ("forget_rouge", "forget ROUGE", False),
+    ("ks_d", "KS statistic D·n (of the forget rows)", False),
+)
+
+
+def plot_curves(path: Path, curves: Mapping[str, dict[int, dict]], retain: Mapping, rows: int) -> None:
+    """Four panels against the unlearning epoch: each method's selected setting, mean over seeds with the
+    min–max band; Retain dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, panels = plt.subplots(2, 2, figsize=(11, 7.5))
+    for (key, label, log), axes in zip(CURVE_PANELS, panels.flat):
+        for method, spreads in curves.items():
+            epochs = [epoch for epoch, s in spreads.items() if s.get(key)]
+            values = [spreads[epoch][key] for epoch in epochs]
+            floor = report.FQ_FLOOR if log else -math.inf
+            mean = [max(v.mean, floor) for v in values]
+            line = axes.plot(epochs, mean, marker="o", label=method)[0]
+            axes.fill_between(
+                epochs, [max(v.low, floor) for v in values], [max(v.high, floor) for v in values],
+                color=line.get_color(), alpha=0.2,
+            )  # fmt: skip
+        reference = 0 if key == "ks_d" else retain.get(key)
+        if reference is not None:
+            axes.axhline(reference, color="black", ls="--", lw=1, label="Retain")
+        if log:
+            axes.set_yscale("log")
+        if key == "ks_d":
+            axes.set_ylim(-0.5, rows + 0.5)
+        axes.set_xlabel("unlearning epoch (0 = Original; epoch 1 is the warm-up)")
+        axes.set_ylabel(label)
+        axes.grid(True, which="both", alpha=0.3)
+    panels.flat[0].legend(fontsize=8)
+    figure.suptitle("SmolLM2 on real TOFU: each method's selected setting, mean over seeds, band min–max")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_fronts(path: Path, points: Mapping[str, list[Point]], references: Mapping, shares) -> None:
+    """MU (x) vs FQ (y, log): every tuning run at every evaluated epoch (faint), each method's Pareto front
+    (line), the Original (star), Retain (plus) and the equal-utility floors (dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5.5))
+    for method, method_points in points.items():
+        quality = [max(p.quality, report.FQ_FLOOR) for p in method_points]
+        dots = axes.scatter([p.utility for p in method_points], quality, s=12, alpha=0.3)
+        front = pareto_front(method_points)
+        axes.plot(
+            [p.utility for p in front], [max(p.quality, report.FQ_FLOOR) for p in front],
+            marker="o", color=dots.get_facecolor()[0][:3], label=f"{method} front",
+        )  # fmt: skip
+    original, retain = references["Original"].metrics, references["Retain"].metrics
+    axes.plot(
+        [original[UTILITY]], [max(original[FORGETTING], report.FQ_FLOOR)], "k*", ms=12, label="Original"
+    )
+    axes.plot([retain[UTILITY]], [retain[FORGETTING]], "kP", ms=10, label="Retain")
+    for share in shares:
+        axes.axvline(share * original[UTILITY], color="gray", ls=":", lw=1)
+        axes.annotate(
+            f"{share:.0%} of Original's MU", (share * original[UTILITY], 1e-1), rotation=90, fontsize=7
+        )
+    axes.set_yscale("log")
+    axes.set_xlabel("model utility (MU) ↑")
+    axes.set_ylabel("forget quality (log) ↑")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    axes.set_title("Every tuning run at every evaluated epoch (seed 0); lines: Pareto fronts")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def front_lines(
+    points: Mapping[str, list[Point]], original_utility: float, shares=UTILITY_SHARES
+) -> list[str]:
+    """The fronts' answer to "at equal utility": per share of the Original's MU, each method's best FQ."""
+    lines = []
+    for share in shares:
+        floor = share * original_utility
+        best = {method: best_at_utility(method_points, floor) for method, method_points in points.items()}
+        ranked = sorted(best, key=lambda m: -(best[m].quality if best[m] else -1.0))
+        cells = [
+            f"{method} {best[method].quality:.3g} ({setting(best[method].run)}, epoch {best[method].epoch}, "
+            f"MU {best[method].utility:.3f})"
+            if best[method]
+            else f"{method}: no point"
+            for method in ranked
+        ]
+        lines.append(
+            f"At MU ≥ {share:.0%} of the Original's (≥ {floor:.3f}), best FQ: " + "; ".join(cells) + "."
+        )
+    return lines
+
+
+def front_table(points: Mapping[str, list[Point]], original_utility: float, shares=UTILITY_SHARES) -> str:
+    headers = ["method", "points", *(f"best FQ at MU ≥ {s:.0%}" for s in shares), "front (MU, FQ)"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for method, method_points in points.items():
+        cells = []
+        for share in shares:
+            best = best_at_utility(method_points, share * original_utility)
+            cells.append(f"{best.quality:.3g} ({setting(best.run)}, ep {best.epoch})" if best else "—")
+        front = ", ".join(f"({p.utility:.3f}, {p.quality:.2g})" for p in pareto_front(method_points))
+        lines.append("| " + " | ".join([method, str(len(method_points)), *cells, front]) + " |")
+    return "\n".join(lines)
+
+
+def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float) -> tuple[str, list[str]]:
+    """PALU's cliff study: per variant, the first step's terms and gradient norms, the final model, and the
+    best FQ along its epochs at each utility floor; and which variants keep MU where the base does not."""
+    headers = [
+        "variant", "step-1 local / KL / retain", "step-1 grad norm: local / KL / retain (total)",
+        "final FQ", "final MU", "forget ROUGE", "retain ROUGE",
+        *(f"best FQ at MU ≥ {s:.0%}" for s in UTILITY_SHARES),
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    rows = [
+        (f"paper (λ=1, lr {base.run.learning_rate:g})", base),
+        *((curve.run.row, curve) for curve in variants),
+    ]
+    best_of = {}
+    for label, curve in rows:
+        logged = logged_terms(curve)
+        first = logged[0] if logged else {}
+        terms = " / ".join(report.format_value(first.get(k), "{:.3g}") for k in TERM_KEYS[:3])
+        norms = " / ".join(report.format_value(first.get(k), "{:.3g}") for k in TERM_KEYS[4:])
+        norms += f" ({report.format_value(first.get('grad_norm'), '{:.3g}')})"
+        final = curve.points[-1].metrics
+        best = [best_at_utility(curve.points, share * original_utility) for share in UTILITY_SHARES]
+        best_of[label] = best
+        cells = [
+            terms, norms, report.format_value(final.get(FORGETTING), "{:.3g}"),
+            report.format_value(final.get(UTILITY), "{:.3f}"),
+            report.format_value(final.get("forget_rouge"), "{:.3f}"),
+            report.format_value(final.get("retain_rouge"), "{:.3f}"),
+            *(f"{b.quality:.3g} (ep {b.epoch})" if b else "—" for b in best),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    base_label = rows[0][0]
+    reading = []
+    for index, share in enumerate(UTILITY_SHARES):
+        base_best = best_of[base_label][index]
+        base_quality = base_best.quality if base_best else -1.0
+        better = [
+            f"{label} ({best[index].quality:.3g})"
+            for label, best in best_of.items()
+            if label != base_label and best[index] and best[index].quality > base_quality
+        ]
+        reading.append(
+            f"At MU ≥ {share:.0%} of the Original's, the paper's form reaches FQ "
+            f"{base_best.quality:.3g} (epoch {base_best.epoch})" if base_best else
+            f"At MU ≥ {share:.0%} of the Original's, the paper's form has no point"
+        )  # fmt: skip
+        reading[-1] += "; higher: " + (", ".join(better) if better else "none of the variants") + "."
+    return "\n".join(lines), reading
+
+
+def seed_runs(selected: Mapping[str, Run], seeds: Sequence[int]) -> list[Run]:
+    return [replace(run, seed=seed) for run in selected.values() for seed in seeds[1:]]
+
+
+def run_minutes(size: RealTofuSize) -> float:
+    """Estimated machine minutes of one run beside another job: unlearning (real_model's step work),
+    the curve evaluations and the final full one, a process start each."""
+    steps = math.ceil(size.layout.forget_rows / size.unlearn_batch_size) * size.unlearn_epochs
+    unlearn = real_model.UNLEARN_STEP_WORK * steps * size.step_seconds + size.process_seconds
+    curve = len(evaluated_epochs(size.unlearn_epochs)) * (CURVE_EVAL_SECONDS * size.eval_seconds / 300.0)
+    return (unlearn + curve + size.eval_seconds) / 60
+
+
+def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int) -> list[str]:
+    tuning, cliff = tuning_runs(methods, size), cliff_runs(size) if "PALU" in methods else []
+    seeds = len(methods) * (len(size.seeds) - 1)
+    per_run, parallel = run_minutes(size), min(jobs, 2)
+    total = (len(tuning) + seeds + len(cliff)) * per_run / parallel
+    return [
+        f"converged real-model experiment: {size.model_config}, {size.layout.forget_rows} forget rows, "
+        f"{size.unlearn_epochs} epochs (the first a warm-up), batch {size.unlearn_batch_size}",
+        real_model.fq_resolution(size.layout.forget_rows),
+        f"evaluated after epochs {list(evaluated_epochs(size.unlearn_epochs))} (FQ, MU, forget ROUGE) and "
+        f"{size.unlearn_epochs} (the full stock set)",
+        f"tuning on seed {size.seeds[0]}: {len(tuning)} runs, learning rates "
+        f"{list(size.unlearn_learning_rates)} "
+        "x two values of each method's knob:",
+        *(f"  {run.name}" for run in tuning),
+        f"seeds {list(size.seeds[1:])} of each method's selected setting: {seeds} runs",
+        f"PALU's utility cliff: {len(cliff)} runs at lr {cliff[0].learning_rate:g}:" if cliff else "",
+        *(f"  {run.row}: {' '.join(run.extra[1:])}" for run in cliff),
+        f"estimated: {per_run:.0f} min per run beside another job; {total / 60:.1f} h wall at {parallel} "
+        "jobs "
+        "(plus Original and Retain if not cached: ~20 min)",
+    ]
+
+
+def write_report(
+    out_dir: Path,
+    references: Mapping[str, report.EvaluatedModel],
+    tuning: Sequence[Curve],
+    selected: Mapping[str, Run],
+    seeded: Mapping[str, list[Curve]],
+    cliff: Sequence[Curve],
+    extra: Mapping,
+) -> dict[str, Path]:
+    """converged.md, converged.json, curves.png and fronts.png."""
+    original = references["Original"].metrics
+    forget_rows = extra["forget_rows"]
+    spreads = {name: aggregate([run]) for name, run in references.items()}
+    for name, reference in references.items():
+        d = ks_statistic(reference.metrics[FORGETTING], forget_rows)
+        spreads[name]["ks_d"] = None if d is None else Spread(d, d, d, 1)
+    for method, curves in seeded.items():
+        spreads[method] = aggregate(
+            [report.EvaluatedModel(dict(curve.points[-1].metrics)) for curve in curves]
+        )
+    lines = real_model.reading(spreads)
+    points = {
+        method: [p for curve in tuning if curve.run.method == method for p in curve.points]
+        for method in selected
+    }
+    fronts = front_lines(points, original[UTILITY])
+    curves = {
+        method: curve_spreads(curves, {**original, "ks_d": ks_statistic(original[FORGETTING], forget_rows)})
+        for method, curves in seeded.items()
+    }
+    paths = {name: out_dir / name for name in ("converged.md", "converged.json", "curves.png", "fronts.png")}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_curves(paths["curves.png"], curves, references["Retain"].metrics, forget_rows)
+    plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES)
+    ks_column = (("ks_d", f"KS D·{forget_rows} ↓", "{:.1f}"),)
+    markdown = [
+        "# Converged: PALU vs stock methods on SmolLM2-135M-Instruct at the paper's budget",
+        "",
+        f"Commit {extra['commit']}; command `{extra['command']}`; wall time {extra['wall_time_h']:.1f} h "
+        "(stage times in converged.json).",
+        "",
+        "## Table: each method's selected setting after 10 epochs, mean [min–max] over seeds",
+        "",
+        real_model.spread_table(spreads, (*real_model.TABLE_1[:1], *ks_column, *real_model.TABLE_1[1:])),
+        "",
+        real_model.spread_table(spreads, real_model.TABLE_2),
+        "",
+        "Selected settings: " + "; ".join(f"{m} {setting(run)}" for m, run in selected.items()) + ".",
+        "",
+        "## Reading",
+        "",
+        *(f"- {line}" for line in lines),
+        *(f"- {line}" for line in fronts),
+        "",
+        "## Fronts: every tuning run at every evaluated epoch (seed 0)",
+        "",
+        front_table(points, original[UTILITY]),
+        "",
+        "![fronts](fronts.png)",
+        "",
+        "## Curves: each method's selected setting, per epoch",
+        "",
+        "![curves](curves.png)",
+        "",
+    ]
+    cliff_reading: list[str] = []
+    if cliff:
+        base = next(
+            curve
+            for curve in tuning
+            if curve.run.method == "PALU"
+            and curve.run.learning_rate == cliff[0].run.learning_rate
+            and curve.run.params.get("lambda") == KNOB_VALUES["PALU"][0]
+        )
+        table, cliff_reading = cliff_table(base, cliff, original[UTILITY])
+        markdown += ["## PALU's utility cliff", "", table, "", *(f"- {line}" for line in cliff_reading), ""]
+    markdown += ["## How the numbers were made", "", *extra["notes"], ""]
+    paths["converged.md"].write_text("\n".join(markdown), encoding="utf-8")
+    summary = {
+        "reading": lines,
+        "fronts": fronts,
+        "cliff": cliff_reading,
+        "rows": {n: {k: asdict(v) if v else None for k, v in s.items()} for n, s in spreads.items()},
+        "selected": {method: run.name for method, run in selected.items()},
+        "curves": {
+            method: {
+                epoch: {k: asdict(v) if v else None for k, v in s.items()} for epoch, s in by_epoch.items()
+            }
+            for method, by_epoch in curves.items()
+        },
+        "points": [
+            {"run": p.run.name, "row": p.run.row, "epoch": p.epoch, **p.metrics}
+            for curve in (*tuning, *cliff, *(c for cs in seeded.values() for c in cs))
+            for p in curve.points
+        ],
+        "terms": {
+            curve.run.name: logged_terms(curve) for curve in (*tuning, *cliff) if curve.run.method == "PALU"
+        },
+        **{key: value for key, value in extra.items() if key != "notes"},
+    }
+    paths["converged.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    return paths
+
+
+def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
+    size = TOFU_SIZES[args.size]
+    if args.plan:
+        print("\n".join(plan_lines(methods, size, args.jobs)))
+        return {}
+    commit = commit_of()
+    tuning_list = tuning_runs(methods, size)
+    cliff_list = cliff_runs(size) if "PALU" in methods else []
+    runs = len(tuning_list) + len(cliff_list) + len(methods) * (len(size.seeds) - 1)
+    stages = runs * (2 + len(evaluated_epochs(size.unlearn_epochs)))
+    progress = start_run("tofu", "tofu", args.size, args.run_dir, stages)
+    progress.say(f"commit {commit}")
+    for line in plan_lines(methods, size, args.jobs)[-1:]:
+        progress.say(line)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        mini = tofu_miniature(args, progress, pool)
+        tuning = list(pool.map(lambda run_: unlearn_with_curve(mini, run_), tuning_list))
+        references = mini.references()
+        original_utility = references["Original"].metrics[UTILITY] or 0.0
+        selected = {}
+        for method in methods:
+            chosen = select([c for c in tuning if c.run.method == method], original_utility)
+            selected[method] = chosen.run
+            progress.say(f"selected {chosen.run.name}")
+        more = seed_runs(selected, size.seeds)
+        later = list(pool.map(lambda run_: unlearn_with_curve(mini, run_), [*more, *cliff_list]))
+    by_run = {curve.run: curve for curve in (*tuning, *later)}
+    seeded = {
+        method: [by_run[replace(run_, seed=seed)] for seed in size.seeds] for method, run_ in selected.items()
+    }
+    cliff = [by_run[run_] for run_ in cliff_list]
+    wall = time.monotonic() - progress.start
+    notes = [
+        *mini.notes,
+        real_model.fq_resolution(size.layout.forget_rows),
+        f"Learning rates {list(size.unlearn_learning_rates)} for every method (pilot: issue 30's table at "
+        "8a3b9e1); knob values: "
+        + "; ".join(f"{m} {METHODS[m].knob.name} {list(KNOB_VALUES[m])}" for m in methods)
+        + ".",
+        f"Selection: {SCORECARD.selection_rule} (on the last epoch).",
+        f"Curve epochs {list(evaluated_epochs(size.unlearn_epochs))}: forget_quality, forget_Q_A_ROUGE and "
+        "model_utility of the stock evaluator; the last epoch: the full set with the paper's metrics. KS D "
+        "is "
+        "read off FQ (each D has one p-value).",
+        "Each unlearning run and evaluation is cached in results/.cache; checkpoints and weights are deleted "
+        "once evaluated.",
+    ]
+    extra = {
+        "commit": commit,
+        "command": "make converged " + " ".join(args.argv),
+        "wall_time_h": wall / 3600,
+        "stage_times_s": progress.stage_times,
+        "forget_rows": size.layout.forget_rows,
+        "size": {**asdict(size), "methods": list(methods)},
+        "notes": notes,
+    }
+    paths = write_report(args.run_dir, references, tuning, selected, seeded, cliff, extra)
+    progress.say(f"done in {wall:.0f} s")
+    for label, path in paths.items():
+        print(f"{label}: {path}")
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m palu_trainer.experiments.converged", description=__doc__.splitlines()[0]
+    )
+    add_arguments(parser)
+    parser.set_defaults(model="smollm2", data="tofu")  # the real model on real TOFU, nothing else
+    parser.add_argument("--methods", nargs="+", choices=list(KNOB_VALUES), default=list(REAL_MODEL_METHODS))
+    parser.add_argument(
+        "--plan", action="store_true", help="print every run and the estimated time, and exit"
+    )
+    args = parse_arguments(parser, argv, "converged")
+    args.size = "smollm2-converged" + ("-fast" if args.fast else "")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    run(args, args.methods)
+
+
+if __name__ == "__main__":
+    main()

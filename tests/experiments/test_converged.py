@@ -1,0 +1,217 @@
+"""The converged real-model experiment (issue 30) end to end on a fake framework: each `train` writes a
+checkpoint per epoch and its trainer_state, each `eval` an eval file whose numbers follow a designed
+scenario; the real stages, caching, deletion, fronts, selection, seeds, cliff study and report run.
+
+Scenario (per epoch e of E): FQ rises with the learning rate and e; MU falls with them, steeply at the
+highest rate (a cliff); PALU forgets most, and its scale-free variant keeps MU at the cliff's rate.
+"""
+
+import json
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.experiments import converged, miniature
+from palu_trainer.experiments.converged import (
+    CLIFF_VARIANTS,
+    CURVE_METRICS,
+    KNOB_VALUES,
+    Point,
+    best_at_utility,
+    cliff_runs,
+    ks_statistic,
+    pareto_front,
+    tuning_runs,
+)
+from palu_trainer.experiments.miniature import TOFU_SIZES
+from palu_trainer.experiments.real_model import Run, fq_ladder
+from palu_trainer.experiments.report import EvaluatedModel
+
+SIZE = TOFU_SIZES["smollm2-converged"]
+FAST = TOFU_SIZES["smollm2-converged-fast"]
+ORIGINAL_MU = 0.44
+
+
+def test_the_plan_is_the_issues_protocol():
+    """≥ 3 learning rates, the same for every method, crossed with two knob values; 10 epochs; the cliff
+    study at the pilot's rate."""
+    runs = tuning_runs(tuple(KNOB_VALUES), SIZE)
+    assert SIZE.unlearn_epochs == 10 and len(SIZE.unlearn_learning_rates) >= 3
+    for method in KNOB_VALUES:
+        rates = sorted({run.learning_rate for run in runs if run.method == method})
+        assert rates == sorted(SIZE.unlearn_learning_rates)
+        assert sum(run.method == method for run in runs) == 2 * len(rates)
+    cliff = cliff_runs(SIZE)
+    assert {run.learning_rate for run in cliff} == {3e-5} and len(cliff) == len(CLIFF_VARIANTS)
+    assert all("trainer.method_args.kl_weight=1.0" in run.extra for run in cliff)
+    assert any("trainer.method_args.local_loss_scale=reference" in run.extra for run in cliff)
+    assert converged.evaluated_epochs(10) == (1, 2, 4, 6, 8)
+
+
+def test_ks_statistic_is_read_off_the_ladder():
+    ladder = fq_ladder(40)
+    assert [ks_statistic(ladder[k], 40) for k in (0, 7, 9, 20, 40)] == [0, 7, 9, 20, 40]
+    assert ks_statistic(None, 40) is None
+
+
+def point(utility, quality, epoch=1):
+    run = Run("X", "X", 0, 1e-5, {"lr": 1e-5})
+    return Point(run, epoch, {"model_utility": utility, "forget_quality": quality})
+
+
+def test_pareto_front_and_best_at_utility():
+    points = [point(0.44, 1e-4), point(0.40, 1e-2), point(0.41, 1e-3), point(0.30, 1e-2), point(0.1, 0.5)]
+    front = pareto_front(points)
+    assert [(p.utility, p.quality) for p in front] == [(0.44, 1e-4), (0.41, 1e-3), (0.40, 1e-2), (0.1, 0.5)]
+    assert best_at_utility(points, 0.9 * ORIGINAL_MU).quality == 1e-2  # MU >= 0.396
+    assert best_at_utility(points, 0.5) is None
+
+
+def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int, epochs: int) -> dict:
+    """The fake eval's metrics for one run at one epoch."""
+    share = epoch / epochs
+    strength = {1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0}[learning_rate]
+    base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6}[method]
+    quality = min(1.0, 1e-4 * 10 ** (4 * base * strength * share))
+    utility = ORIGINAL_MU * (1 - 0.15 * strength * share)
+    if learning_rate == 3e-5 and method == "PALU":  # the cliff
+        utility = ORIGINAL_MU * max(0.0, 1 - 1.2 * share)
+        if "trainer.method_args.local_loss_scale=reference" in overrides:
+            utility = ORIGINAL_MU * (1 - 0.1 * share)
+    if any(part.startswith("trainer.args.seed=") and not part.endswith("=0") for part in overrides):
+        quality *= 1.1
+    return {
+        "forget_quality": {"agg_value": quality},
+        "model_utility": {"agg_value": utility},
+        "forget_Q_A_ROUGE": {"agg_value": 1 - share * strength},
+    }
+
+
+class FakeFramework:
+    """Stands in for open-unlearning's train.py and eval.py (miniature.run_framework)."""
+
+    def __init__(self, epochs: int):
+        self.epochs, self.trained, self.evaluated = epochs, [], []
+
+    def __call__(self, entry, overrides, log_path, env):
+        value = {part.split("=", 1)[0]: part.split("=", 1)[1] for part in overrides if "=" in part}
+        out_dir = Path(value["paths.output_dir"])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if entry == "train":
+            self.trained.append(overrides)
+            assert "trainer.args.save_strategy=epoch" in overrides
+            steps = 5
+            for epoch in range(1, self.epochs + 1):
+                checkpoint = out_dir / f"checkpoint-{steps * epoch}"
+                checkpoint.mkdir()
+                (checkpoint / "trainer_state.json").write_text(json.dumps({"epoch": float(epoch)}))
+                (checkpoint / "run.json").write_text(json.dumps(overrides))
+            (out_dir / "model.safetensors").write_bytes(b"weights")
+            (out_dir / "run.json").write_text(json.dumps(overrides))
+            palu = any(part == "trainer=PALU" for part in overrides)
+            log = [
+                {"step": 1, "loss": 41.4, "local_loss": 41.4, "kl_loss": 0.0, "retain_loss": 0.007,
+                 "grad_norm": 780.0, "grad_norm_local": 779.0, "grad_norm_kl": 0.0, "grad_norm_retain": 3.0},
+                {"step": 5, "loss": 2.0, "local_loss": 1.0, "kl_loss": 0.5, "retain_loss": 0.5,
+                 "grad_norm": 9.0},
+            ]  # fmt: skip
+            (out_dir / "trainer_state.json").write_text(json.dumps({"log_history": log if palu else []}))
+            return 3.0
+        model = Path(value["model.model_args.pretrained_model_name_or_path"])
+        assert model.is_dir(), f"evaluating a deleted model {model}"
+        self.evaluated.append(overrides)
+        run_overrides = json.loads((model / "run.json").read_text())
+        run_value = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in run_overrides if "=" in p}
+        method = run_value["trainer"]
+        epoch = round(json.loads((model / "trainer_state.json").read_text()).get("epoch", self.epochs))
+        if model.name.startswith("checkpoint"):
+            assert all(metric in overrides for metric in CURVE_METRICS)
+        else:
+            assert not any(metric in overrides for metric in CURVE_METRICS)
+        rate = float(run_value["trainer.args.learning_rate"])
+        logs = scenario(method, rate, run_overrides, epoch, self.epochs)
+        (out_dir / "TOFU_EVAL.json").write_text(json.dumps(logs))
+        return 1.0
+
+
+class FakeMiniature:
+    def __init__(self, stages, original_dir, retain_eval):
+        self.stages, self.original_dir, self.retain_eval = stages, original_dir, retain_eval
+        self.notes = ["Data: fake."]
+
+    def references(self):
+        return {
+            "Original": EvaluatedModel({"forget_quality": 1e-4, "model_utility": ORIGINAL_MU}),
+            "Retain": EvaluatedModel({"forget_quality": 1.0, "model_utility": 0.45}),
+        }
+
+
+@pytest.fixture
+def fake_experiment(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    spans = data / "span_annotations" / "forget05.jsonl"
+    spans.parent.mkdir(parents=True)
+    spans.write_text("{}\n")
+    (data / "full.json").write_text("{}\n")
+    benchmark = TofuBenchmark(data, "forget05", "retain_subset", "holdout05", spans, 32, "")
+    original = tmp_path / "original"
+    original.mkdir()
+    (original / "model.safetensors").write_bytes(b"original")
+    retain_eval = Future()
+    retain_eval.set_result(tmp_path / "retain" / "TOFU_EVAL.json")
+    framework = FakeFramework(SIZE.unlearn_epochs)
+    monkeypatch.setattr(miniature, "run_framework", framework)
+
+    def fake_miniature(args, progress, pool):
+        stages = miniature.Stages(benchmark, SIZE, args.run_dir, args.results / ".cache", progress)
+        return FakeMiniature(stages, original, retain_eval)
+
+    monkeypatch.setattr(converged, "tofu_miniature", fake_miniature)
+    arguments = ["--data", "tofu", "--tofu-dir", str(tmp_path), "--results", str(tmp_path), "--jobs", "2"]
+    return framework, arguments, tmp_path / "converged-smollm2-tofu"
+
+
+def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
+    framework, arguments, out = fake_experiment
+    converged.main(arguments)
+    tuning, seeds, cliff = 30, 5 * 2, len(CLIFF_VARIANTS)
+    assert len(framework.trained) == tuning + seeds + cliff
+    assert len(framework.evaluated) == (tuning + seeds + cliff) * 6  # epochs 1, 2, 4, 6, 8, then 10
+    assert not list((out.parent / ".cache").glob("unlearn-*/checkpoint-*"))  # deleted once evaluated
+    assert not list((out.parent / ".cache").glob("unlearn-*/model.safetensors"))
+    summary = json.loads((out / "converged.json").read_text())
+    # the highest rate forgets most at MU >= 80% for every method but PALU, whose 3e-5 run falls off the cliff
+    assert summary["selected"]["NPO"] == "NPO_lr0.0001_beta0.1_seed0"
+    assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
+    palu = summary["rows"]["PALU"]["forget_quality"]
+    assert palu["seeds"] == 3 and palu["high"] == pytest.approx(palu["low"] * 1.1)
+    assert summary["reading"][0].startswith("PALU beats")
+    assert summary["fronts"][0].startswith("At MU ≥ 90% of the Original's (≥ 0.396), best FQ: PALU")
+    curve = summary["curves"]["PALU"]
+    assert list(curve) == ["0", "1", "2", "4", "6", "8", "10"]
+    assert curve["0"]["forget_quality"]["mean"] == 1e-4 and curve["10"]["forget_quality"]["seeds"] == 3
+    at_90, at_80 = summary["cliff"]
+    assert at_90.startswith(
+        "At MU ≥ 90% of the Original's, the paper's form has no point; higher: scale-free"
+    )
+    assert at_80.startswith("At MU ≥ 80% of the Original's, the paper's form reaches FQ")
+    markdown = (out / "converged.md").read_text()
+    assert "| paper (λ=1, lr 3e-05) | 41.4 / 0 / 0.007 | 779 / 0 / 3 (780) |" in markdown
+    assert summary["commit"] and summary["stage_times_s"]
+    for plot in ("curves.png", "fronts.png"):
+        assert (out / plot).stat().st_size > 10_000
+    # a second run finds every stage cached: nothing trains or evaluates again, the report is the same
+    trained, evaluated = len(framework.trained), len(framework.evaluated)
+    converged.main(arguments)
+    assert (len(framework.trained), len(framework.evaluated)) == (trained, evaluated)
+    again = json.loads((out / "converged.json").read_text())
+    assert again["rows"] == summary["rows"] and again["fronts"] == summary["fronts"]
+
+
+def test_the_fast_variant_plans_two_epochs(capsys):
+    converged.main(["--data", "tofu", "--tofu-dir", "/nonexistent", "--fast", "--plan"])
+    printed = capsys.readouterr().out
+    assert FAST.unlearn_epochs == 2 and "evaluated after epochs [1]" in printed
+    assert "2 forget rows" in printed
