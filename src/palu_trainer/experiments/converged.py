@@ -70,7 +70,7 @@ CURVE_METRICS = tuple(
 PER_EPOCH = (
     "trainer.args.save_strategy=epoch",
     "trainer.args.save_only_model=true",
-    "trainer.args.logging_first_step=true",
+    "++trainer.args.logging_first_step=true",  # not in the framework's trainer args: added
 )
 TERM_GRADIENT_NORMS = "trainer.method_args.log_term_gradient_norms=true"
 UTILITY_SHARES = (0.9, 0.8)  # the fronts' "equal utility": MU at least this share of the Original's
