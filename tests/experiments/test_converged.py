@@ -215,3 +215,20 @@ def test_the_fast_variant_plans_two_epochs(capsys):
     printed = capsys.readouterr().out
     assert FAST.unlearn_epochs == 2 and "evaluated after epochs [1]" in printed
     assert "2 forget rows" in printed
+
+
+def test_the_curve_metrics_delete_metrics_the_framework_evaluates():
+    """Each `~eval.tofu.metrics.X` names a metric of the stock TOFU evaluation by its config's @package key
+    (forget_Truth_Ratio.yaml is `forget_truth_ratio`): Hydra refuses to delete a key that is not there."""
+    import yaml
+
+    from palu_trainer.framework.checkout import checkout_dir
+
+    configs = checkout_dir() / "configs" / "eval"
+    listed = yaml.safe_load((configs / "tofu.yaml").read_text())["defaults"][0]["tofu_metrics"]
+    keys = set()
+    for name in listed:
+        first = (configs / "tofu_metrics" / f"{name}.yaml").read_text().splitlines()[0]
+        keys.add(first.removeprefix("# @package eval.tofu.metrics."))
+    deleted = {override.removeprefix("~eval.tofu.metrics.") for override in CURVE_METRICS}
+    assert deleted <= keys and {"forget_quality", "forget_Q_A_ROUGE", "model_utility"} <= keys - deleted

@@ -62,10 +62,10 @@ KNOB_VALUES = {
 }
 CURVE_EPOCHS = (1, 2, 4, 6, 8)  # evaluated with the curve metrics; the last epoch with the full set
 # The curve metrics: the stock set without the ones the curves do not read (forget_quality computes the
-# forget truth ratios itself; model_utility its nine parts).
+# forget truth ratios itself; model_utility its nine parts). Keys as the metric configs' @package names them.
 CURVE_METRICS = tuple(
     f"~eval.tofu.metrics.{name}"
-    for name in ("forget_Truth_Ratio", "forget_Q_A_Prob", "privleak", "extraction_strength")
+    for name in ("forget_truth_ratio", "forget_Q_A_Prob", "privleak", "extraction_strength")
 )
 PER_EPOCH = (
     "trainer.args.save_strategy=epoch",
@@ -440,6 +440,18 @@ def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float)
     return "\n".join(lines), reading
 
 
+def run_all(pool, function, items: Sequence) -> list:
+    """`function` on every item on `pool`, results in order; the first failure cancels the runs not started
+    (`pool.map` would go on with all of them before raising)."""
+    futures = [pool.submit(function, item) for item in items]
+    try:
+        return [future.result() for future in futures]
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+
+
 def seed_runs(selected: Mapping[str, Run], seeds: Sequence[int]) -> list[Run]:
     return [replace(run, seed=seed) for run in selected.values() for seed in seeds[1:]]
 
@@ -597,7 +609,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         progress.say(line)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = tofu_miniature(args, progress, pool)
-        tuning = list(pool.map(lambda run_: unlearn_with_curve(mini, run_), tuning_list))
+        tuning = run_all(pool, lambda run_: unlearn_with_curve(mini, run_), tuning_list)
         references = mini.references()
         original_utility = references["Original"].metrics[UTILITY] or 0.0
         selected = {}
@@ -606,7 +618,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             selected[method] = chosen.run
             progress.say(f"selected {chosen.run.name}")
         more = seed_runs(selected, size.seeds)
-        later = list(pool.map(lambda run_: unlearn_with_curve(mini, run_), [*more, *cliff_list]))
+        later = run_all(pool, lambda run_: unlearn_with_curve(mini, run_), [*more, *cliff_list])
     by_run = {curve.run: curve for curve in (*tuning, *later)}
     seeded = {
         method: [by_run[replace(run_, seed=seed)] for seed in size.seeds] for method, run_ in selected.items()
