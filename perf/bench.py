@@ -38,7 +38,8 @@ from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.framework.trainer_config import trainer_config
-from palu_trainer.method.losses import ReferenceTargets, palu_forget_loss
+from palu_trainer.method.objective import PALUObjective
+from palu_trainer.method.reference import DenseReference, InitiatingTargets
 from palu_trainer.method.roles import TokenRole
 
 ensure_importable()
@@ -114,17 +115,19 @@ def bench_top_k(device, vocab_size=128256, batch=2, length=48, repeats=3):
     common_neg_entropy = torch.special.xlogy(common_probs, common_probs).sum(-1)
     results = {}
     for top_k in (1, 1000, 5000, 10000, vocab_size):
-        reference = ReferenceTargets(
-            topk_indices=torch.randint(0, vocab_size, (initiating, top_k), device=device),
-            logit_mean=torch.zeros(initiating, device=device),
-            common_probs=common_probs.to(device),
-            common_neg_entropy=common_neg_entropy.to(device),
+        zeros = torch.zeros(initiating, device=device)
+        topk_indices = torch.randint(0, vocab_size, (initiating, top_k), device=device)
+        reference = DenseReference(
+            InitiatingTargets(topk_indices, zeros, zeros),
+            "ref_to_policy",
+            common_probs.to(device),
+            common_neg_entropy.to(device),
         )
         durations = []
         for _ in range(repeats + 1):
             logits.grad = None
             start = time.perf_counter()
-            local, kl = palu_forget_loss(logits, roles, reference)
+            local, kl = PALUObjective(top_k).forget_terms(logits, None, roles, reference)
             local.backward(retain_graph=True)
             local_done = time.perf_counter()
             kl.backward()

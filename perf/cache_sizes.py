@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from palu_trainer.method.losses import resolve_top_k
+from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.reference_cache import estimated_nbytes
 
 CHARS_PER_TOKEN = 4.0

@@ -13,7 +13,7 @@ and a PALUTrainer with PALU.yaml's method_args. The reference (the model before 
 every forget row through the trainer's own forward and output projection.
 
 1. Tail mass: at every common position, r = P_ref's mass outside its m most probable entries, for each m,
-   as the cache's `common_targets` computes it.
+   as the cache's `reference.common_fields` computes it.
 2. The KL the coarsening drops, for m = the trainer's reference_cache_top_m (512) and larger m: the top-m KL
    (`_KLFromTopM`, what training minimises) against the full-vocabulary KL (`_KLFromReference`), both
    KL(P_ref || P_theta) in float64 (so that the float32 floor of ~1e-4 on this model does not hide the
@@ -39,15 +39,10 @@ import torch.nn.functional as F
 
 from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_importable
 from palu_trainer.framework.stack import tokenizer_keyword
-from palu_trainer.method.losses import (
-    _KLFromReference,
-    _KLFromTopM,
-    at_least_fp32,
-    common_targets,
-    forget_hidden,
-    reference_kl_loss,
-    reference_targets_at_positions,
-)
+from palu_trainer.method.chunking import at_least_fp32
+from palu_trainer.method.kl import _KLFromReference, _KLFromTopM
+from palu_trainer.method.positions import at_forget_positions
+from palu_trainer.method.reference import common_fields, reference_targets
 from palu_trainer.method.reference_cache import build_reference_cache, describe, estimated_nbytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,11 +68,8 @@ def distribution(values: torch.Tensor) -> dict[str, float]:
 
 def tail_masses(logits: torch.Tensor, top_ms: Iterable[int]) -> dict[int, torch.Tensor]:
     """m -> r (C,): P_ref's mass outside its m most probable entries at each of the C common positions whose
-    reference logits are `logits` (C, V), as the cache keeps it (`common_targets`, top-m form)."""
-    return {
-        m: common_targets(logits, "ref_to_policy", min(m, logits.shape[-1]))["common_tail_mass"]
-        for m in top_ms
-    }
+    reference logits are `logits` (C, V), as the cache keeps it (`reference.common_fields`, top-m form)."""
+    return {m: common_fields(logits, "ref_to_policy", min(m, logits.shape[-1]))["tail"] for m in top_ms}
 
 
 def kl_full_and_top_m(policy_logits: torch.Tensor, reference_logits: torch.Tensor, top_m: int) -> dict:
@@ -85,16 +77,12 @@ def kl_full_and_top_m(policy_logits: torch.Tensor, reference_logits: torch.Tenso
     (what the cache's loss takes), in float64; and each row's gradient L1 error and the full gradient's L1
     norm (with respect to the policy's logits)."""
     reference = reference_logits.double()
-    full = common_targets(reference, "ref_to_policy")
-    top = common_targets(reference, "ref_to_policy", top_m)
+    full = common_fields(reference, "ref_to_policy", None)
+    top = common_fields(reference, "ref_to_policy", top_m)
     per_row, gradients = {}, {}
     for name, apply, fields in (
-        ("full", _KLFromReference.apply, (full["common_probs"], full["common_neg_entropy"])),
-        (
-            "top_m",
-            _KLFromTopM.apply,
-            (top["common_indices"], top["common_probs"], top["common_tail_mass"], top["common_neg_entropy"]),
-        ),
+        ("full", _KLFromReference.apply, (full["common"], full["neg_entropy"])),
+        ("top_m", _KLFromTopM.apply, (top["indices"], top["common"], top["tail"], top["neg_entropy"])),
     ):
         logits = policy_logits.detach().double().requires_grad_()
         with torch.enable_grad():
@@ -171,7 +159,7 @@ class ReferencePass:
         roles = batch["token_roles"]
         with torch.no_grad():
             hidden = self.final_hidden(inputs)
-            initiating, common = forget_hidden(hidden, roles)
+            initiating, common = at_forget_positions(hidden, roles)
             self.counts["initiating"] += len(initiating)
             self.counts["common"] += len(common)
             self.common_hidden.append(common)
@@ -182,8 +170,8 @@ class ReferencePass:
                 noise = torch.randn(logits.shape, generator=self.generator, dtype=torch.float64)
                 for m in self.kl_top_ms:
                     self.noise[sigma, m].append(kl_full_and_top_m(logits.double() + sigma * noise, logits, m))
-            return reference_targets_at_positions(
-                hidden, self.project, roles, self.top_k, self.kl_direction, self.top_m, self.chunk_rows
+            return reference_targets(
+                hidden, roles, self.top_k, self.kl_direction, self.top_m, self.project, self.chunk_rows
             )
 
     def tail_table(self) -> dict[int, dict[str, float]]:
@@ -203,13 +191,13 @@ def policy_kls(
             hidden = final_hidden(
                 {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             )
-            logits = at_least_fp32(project(forget_hidden(hidden, roles)[1]))
+            logits = at_least_fp32(project(at_forget_positions(hidden, roles)[1]))
             reference_logits = at_least_fp32(reference_project(common_reference))
             for m, kls in parts.items():
                 kls.append(kl_full_and_top_m(logits, reference_logits, m))
                 if m == cache_top_m:  # what training computes: float32, the cache's own targets
                     cached = cache.targets(batch["index"], roles, logits.device)
-                    kls[-1]["logged_fp32"] = (reference_kl_loss(logits, cached) * len(logits)).reshape(1)
+                    kls[-1]["logged_fp32"] = (cached.kl(logits, slice(None)) * len(logits)).reshape(1)
     return parts
 
 

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from palu_trainer.framework.accelerate_config import shared_memory_op_dir, write_accelerate_config
-from palu_trainer.method.losses import chunk_count, label_positions, logit_chunk_rows
+from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
+from palu_trainer.method.positions import label_positions
 from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.spans.format import write_annotations
 from palu_trainer.spans.tpo_spans import read_tpo

@@ -35,10 +35,10 @@ def guarded(trainer):
 
 def nan_at_step(trainer, step: int, term: str):
     """Make PALU's `term` (local | kl | retain) non-finite from optimizer step `step` on."""
-    from palu_trainer.framework.trainers import palu
+    from palu_trainer.method.objective import PALUObjective
 
-    losses = {"local": "palu_forget_loss_at_positions", "retain": "label_nll_at_positions"}
-    original = getattr(palu, losses[term])
+    losses = {"local": "forget_terms", "retain": "retain_nll"}
+    original = getattr(PALUObjective, losses[term])
 
     def poisoned(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -55,7 +55,7 @@ def nan_at_step(trainer, step: int, term: str):
 def test_a_nan_term_stops_the_run_at_its_step_naming_the_term(make_trainer, monkeypatch):
     trainer = guarded(make_trainer(max_steps=5, top_k=64))
     name, poisoned = nan_at_step(trainer, 3, "local")
-    monkeypatch.setattr(f"palu_trainer.framework.trainers.palu.{name}", poisoned)
+    monkeypatch.setattr(f"palu_trainer.method.objective.PALUObjective.{name}", poisoned)
     with pytest.raises(RunStopped) as stopped:
         trainer.train()
     message = str(stopped.value)

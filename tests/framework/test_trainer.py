@@ -1,5 +1,6 @@
 """PALUTrainer in-process: what changes in a few steps, what must not, and argument checks."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -36,10 +37,10 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     trainer.train()
     assert trainer.ref_model is None
     cache = trainer.reference_cache
-    assert sorted(cache.topk_indices) == [0, 1, 2]
-    assert cache.topk_indices[2].shape == (0, 64)  # the no-information row has no initiating token
+    assert sorted(cache.initiating["topk_indices"]) == [0, 1, 2]
+    assert cache.initiating["topk_indices"][2].shape == (0, 64)  # the no-information row: no initiating token
     assert (
-        cache.common_probs[0].shape[1]
+        cache.common["common"][0].shape[1]
         == trainer.reference_cache_top_m
         == 512
         < trainer.model.config.vocab_size
@@ -89,10 +90,13 @@ def test_cache_gives_the_uncached_loss_and_gradients(make_trainer, form):
         torch.testing.assert_close(cached_loss, uncached_loss, rtol=1e-5, atol=0)
         for name, gradient in uncached_grads.items():
             torch.testing.assert_close(cached_grads[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
-    kept = (
-        cached.reference_cache.common_log_probs if form == "release" else cached.reference_cache.common_probs
-    )
-    assert sorted(kept) == [0, 1, 2]  # log P_ref for KL(P_theta || P_ref), P_ref for the paper's direction
+    cache = cached.reference_cache
+    assert sorted(cache.common["common"]) == [0, 1, 2]
+    # log P_ref for KL(P_theta || P_ref) (no KL constant), P_ref and its KL constant for the paper's direction
+    assert cache.kl_direction == ("policy_to_ref" if form == "release" else "ref_to_policy")
+    assert ("neg_entropy" in cache.common) == (form == "paper")
+    first = cache.common["common"][0]
+    assert (first <= 0).all() if form == "release" else ((first >= 0) & (first <= 1)).all()
 
 
 @pytest.mark.parametrize("form", ["paper", "release"])
@@ -124,8 +128,8 @@ def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
     fast = make_trainer(top_k=64, reference_cache=reference_cache, policy=policy, **method_args)
     full = make_trainer(top_k=64, reference_cache=reference_cache, policy=policy, **method_args)
     full.projects_at_positions = False
-    assert fast.projects_at_positions and fast.logit_chunk_rows == 2048  # 2**22 logits of |V| = 2048
-    fast.logit_chunk_rows = 2
+    assert fast.projects_at_positions and fast.objective.chunk_rows == 2048  # 2**22 logits of |V| = 2048
+    fast.objective = dataclasses.replace(fast.objective, chunk_rows=2)
     batch = fast.data_collator([fast.train_dataset[i] for i in (0, 1, 2)])
     for trainer in (fast, full):
         trainer.compute_loss(trainer.model, batch)
@@ -159,7 +163,7 @@ def test_cache_estimate_is_the_built_cache_and_auto_falls_back_above_the_budget(
     trainer = make_trainer(max_steps=1, top_k=64, reference_cache_top_m=100, policy=policy, **method_args)
     trainer.train()
     positions = count_positions(item["token_roles"] for item in trainer.train_dataset.forget.items)
-    estimate = estimated_nbytes(*positions, 64, 100, torch.float32, trainer.kl_direction)
+    estimate = estimated_nbytes(*positions, 64, 100, torch.float32, trainer.objective.kl_direction)
     assert estimate == trainer.reference_cache.nbytes
     budget_gib = estimate / 2**30 * 0.99
     with caplog.at_level(logging.INFO, logger="palu_trainer.framework.trainers.palu"):
@@ -210,16 +214,16 @@ def test_retain_none_skips_the_retain_forward(make_trainer, retain_loss_type):
 
 
 def test_top_k_is_capped_at_the_vocabulary(make_trainer, caplog):
-    with caplog.at_level(logging.WARNING, logger="palu_trainer.method.losses"):
+    with caplog.at_level(logging.WARNING, logger="palu_trainer.method.local_loss"):
         trainer = make_trainer(top_k=10**6)
-    assert trainer.top_k == trainer.model.config.vocab_size
+    assert trainer.objective.top_k == trainer.model.config.vocab_size
     assert "exceeds the vocabulary" in caplog.text and "PDU-like" in caplog.text
 
 
 def test_top_k_share_of_the_vocabulary_is_resolved_and_logged(make_trainer, caplog):
-    with caplog.at_level(logging.INFO, logger="palu_trainer.method.losses"):
+    with caplog.at_level(logging.INFO, logger="palu_trainer.method.local_loss"):
         trainer = make_trainer(top_k=0.15625)
-    assert trainer.model.config.vocab_size == 2048 and trainer.top_k == 320
+    assert trainer.model.config.vocab_size == 2048 and trainer.objective.top_k == 320
     assert "top_k=0.15625: K=320 of |V|=2048 (15.62% of the vocabulary)" in caplog.text
     assert "PDU-like" not in caplog.text
 

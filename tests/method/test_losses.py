@@ -5,31 +5,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.losses import (
-    TARGETS,
-    ReferenceFromModel,
-    check_kl_weight,
-    common_kl_loss,
-    common_kl_to_reference_loss,
-    forget_hidden,
-    label_nll_at_positions,
-    local_entropy_loss,
-    mean_over_chunks,
-    palu_forget_loss,
-    palu_forget_loss_at_positions,
-    palu_terms,
-    predicting_rows,
-    reference_kl_loss,
+from palu_trainer.method.chunking import mean_over_chunks
+from palu_trainer.method.kl import common_kl_loss, common_kl_to_reference_loss
+from palu_trainer.method.local_loss import TARGETS, local_entropy_loss, resolve_top_k
+from palu_trainer.method.objective import PALUObjective, check_kl_weight, term_gradient_norms
+from palu_trainer.method.positions import at_forget_positions, predicting_rows
+from palu_trainer.method.reference import (
+    DenseReference,
+    ModelReference,
+    TopMReference,
+    common_fields,
+    initiating_targets,
     reference_targets,
-    reference_targets_at_positions,
-    resolve_top_k,
-    select_predictions,
-    targets_from_selected,
-    term_gradient_norms,
 )
 from palu_trainer.method.roles import TokenRole
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
+
+
+def forget_terms(logits, roles, reference, **options):
+    """PALU's (local, KL) of full logits (B, T, V): the objective's forget terms with no projection (K comes
+    from the reference)."""
+    return PALUObjective(top_k=1, **options).forget_terms(logits, None, roles, reference)
+
+
+def weighted_terms(local, kl, retain, gamma=1.0, alpha=1.0, kl_weight=1.0):
+    return PALUObjective(top_k=1, gamma=gamma, alpha=alpha, kl_weight=kl_weight).weigh(local, kl, retain)
 
 
 def test_local_loss_known_values_for_each_target():
@@ -125,7 +126,7 @@ def test_unknown_target_lists_the_choices():
     ],
 )
 def test_top_k_forms_resolve_against_the_vocabulary(top_k, vocab_size, k, caplog):
-    with caplog.at_level(logging.INFO, logger="palu_trainer.method.losses"):
+    with caplog.at_level(logging.INFO, logger="palu_trainer.method.local_loss"):
         assert resolve_top_k(top_k, vocab_size) == k
     assert f"K={k} of |V|={vocab_size}" in caplog.text
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -149,11 +150,11 @@ def test_bad_kl_weight_names_the_option(kl_weight):
 def test_loss_weights_the_kl_by_lambda_or_by_alpha():
     local, kl, retain = torch.tensor(2.0), torch.tensor(3.0), torch.tensor(5.0)
     assert (
-        sum(palu_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight=4.0)).item()
+        weighted_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight=4.0).loss.item()
         == 0.5 * (2 + 4 * 3) + 2 * 5
     )
     assert (
-        sum(palu_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight="alpha")).item()
+        weighted_terms(local, kl, retain, gamma=0.5, alpha=2.0, kl_weight="alpha").loss.item()
         == 0.5 * 2 + 2 * 3 + 2 * 5
     )
 
@@ -169,21 +170,25 @@ def test_reference_scaled_local_loss_is_one_at_the_reference_and_free_of_the_log
     initiating = logits[0, :-1][roles[0, 1:] == INI]
     top = initiating.topk(7, dim=-1).values
     expected_spread = (top - initiating.mean(-1, keepdim=True)).pow(2).mean(-1)
-    torch.testing.assert_close(reference.topk_spread, expected_spread)
-    paper, _ = palu_forget_loss(logits, roles, reference)
-    scaled, _ = palu_forget_loss(logits, roles, reference, local_loss_scale="reference")
+    torch.testing.assert_close(reference.initiating_targets.topk_spread, expected_spread)
+    paper, _ = forget_terms(logits, roles, reference)
+    scaled, _ = forget_terms(logits, roles, reference, local_loss_scale="reference")
     assert scaled.item() == pytest.approx(1.0)
     assert paper.item() == pytest.approx(expected_spread.mean().item())
     moved = logits.clone()
-    moved[0, 0, reference.topk_indices[0, :3]] -= 2.0  # one position's top entries pulled down
-    per_position = local_entropy_loss(moved[0, :-1][roles[0, 1:] == INI], reference.topk_indices, scale=None)
-    paper_doubled, _ = palu_forget_loss(2 * moved, roles, reference)
-    scaled_moved, _ = palu_forget_loss(moved, roles, reference, local_loss_scale="reference")
-    scaled_doubled, _ = palu_forget_loss(2 * moved, roles, reference, local_loss_scale="reference")
+    moved[0, 0, reference.initiating_targets.topk_indices[0, :3]] -= (
+        2.0  # one position's top entries pulled down
+    )
+    per_position = local_entropy_loss(
+        moved[0, :-1][roles[0, 1:] == INI], reference.initiating_targets.topk_indices
+    )
+    paper_doubled, _ = forget_terms(2 * moved, roles, reference)
+    scaled_moved, _ = forget_terms(moved, roles, reference, local_loss_scale="reference")
+    scaled_doubled, _ = forget_terms(2 * moved, roles, reference, local_loss_scale="reference")
     assert paper_doubled.item() == pytest.approx(4 * per_position.item())
     assert scaled_moved.item() != pytest.approx(1.0)
     doubled_reference = reference_targets(2 * logits, roles, top_k=7)
-    rescaled, _ = palu_forget_loss(2 * moved, roles, doubled_reference, local_loss_scale="reference")
+    rescaled, _ = forget_terms(2 * moved, roles, doubled_reference, local_loss_scale="reference")
     assert rescaled.item() == pytest.approx(scaled_moved.item())
     assert scaled_doubled.item() == pytest.approx(4 * scaled_moved.item())
 
@@ -192,7 +197,9 @@ def test_unknown_local_loss_scale_lists_the_choices():
     logits = torch.randn(1, 3, 10)
     roles = torch.tensor([[IGN, INI, COM]])
     with pytest.raises(ValueError, match="local_loss_scale.*none.*reference"):
-        palu_forget_loss(logits, roles, reference_targets(logits, roles, 3), local_loss_scale="initial")
+        forget_terms(logits, roles, reference_targets(logits, roles, 3), local_loss_scale="initial")
+    with pytest.raises(ValueError, match="local_loss_scale='initial'; choose one of none, reference"):
+        PALUObjective(top_k=3, local_loss_scale="initial")
 
 
 def test_term_gradient_norms_are_each_weighted_terms_own_gradient():
@@ -203,7 +210,7 @@ def test_term_gradient_norms_are_each_weighted_terms_own_gradient():
     x = torch.randn(5, 3)
     out = x @ weight.T + bias
     local_loss, kl_loss, retain_loss = out.pow(2).mean(), out.sum(), torch.zeros(())
-    terms = dict(zip(("local", "kl", "retain"), palu_terms(local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0)))
+    terms = weighted_terms(local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0).weighted
     norms = term_gradient_norms(terms, [weight, bias])
     for name, term in terms.items():
         if name == "retain":
@@ -214,7 +221,9 @@ def test_term_gradient_norms_are_each_weighted_terms_own_gradient():
     assert norms["retain"] == 0.0
     kl_alone = torch.autograd.grad(kl_loss, [weight, bias], retain_graph=True)
     assert norms["kl"] == pytest.approx(1.5 * torch.cat([g.flatten() for g in kl_alone]).norm().item())
-    sum(palu_terms(local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0)).backward()  # the graph is still there
+    weighted_terms(
+        local_loss, kl_loss, retain_loss, 0.5, 2.0, 3.0
+    ).loss.backward()  # the graph is still there
     assert weight.grad is not None
 
 
@@ -257,9 +266,9 @@ def test_kl_to_reference_is_exact_where_the_reference_probability_underflows():
     targets = reference_targets(
         reference[None].repeat(1, 2, 1), torch.tensor([[IGN, COM]]), 1, "policy_to_ref"
     )
-    assert targets.common_probs is None and torch.isfinite(targets.common_log_probs).all()
+    assert targets.neg_entropy is None and torch.isfinite(targets.common).all()
     logits = torch.tensor([[0.0, 0.0, 0.0]], requires_grad=True)
-    kl = common_kl_to_reference_loss(logits, targets.common_log_probs)
+    kl = common_kl_to_reference_loss(logits, targets.common)
     expected = sum(
         (1 / 3) * (math.log(1 / 3) - lr) for lr in F.log_softmax(reference.double(), -1)[0].tolist()
     )
@@ -295,7 +304,7 @@ def test_logits_at_t_minus_1_predict_the_token_at_t():
     # tokens (0, 1) and (1, 2) are initiating, predicted at (0, 0) and (1, 1); token 0 has no predictor
     assert predicting_rows(roles, TokenRole.INITIATING).tolist() == [0, 4]
     assert predicting_rows(roles, TokenRole.COMMON).tolist() == [1, 3]
-    initiating, common = select_predictions(logits, roles)
+    initiating, common = at_forget_positions(logits, roles)
     torch.testing.assert_close(initiating, torch.stack([logits[0, 0], logits[1, 1]]))
     torch.testing.assert_close(common, torch.stack([logits[0, 1], logits[1, 0]]))
 
@@ -311,7 +320,7 @@ def _batch(roles, vocab=6, seed=0):
 def test_forget_loss_uses_the_shifted_positions():
     logits, reference_logits, roles = _batch([IGN, INI, RED, COM])
     reference = reference_targets(reference_logits, roles, top_k=3)
-    local, kl = palu_forget_loss(logits, roles, reference)
+    local, kl = forget_terms(logits, roles, reference)
     # token 1 is initiating -> logits at position 0; token 3 is common -> logits at position 2
     ref_top = reference_logits[0, 0].topk(3).indices
     row = logits[0, 0].detach()
@@ -324,7 +333,7 @@ def test_forget_loss_uses_the_shifted_positions():
 def test_redundant_and_ignored_positions_get_exactly_zero_gradient():
     logits, reference_logits, roles = _batch([IGN, INI, INI, RED, RED, COM, COM, IGN])
     reference = reference_targets(reference_logits, roles, top_k=4)
-    local, kl = palu_forget_loss(logits, roles, reference)
+    local, kl = forget_terms(logits, roles, reference)
     (local + kl).backward()
     per_position = logits.grad[0].abs().sum(-1)
     # logits at t predict token t+1: positions 2, 3 predict redundant tokens; 6, 7 predict ignored/nothing
@@ -335,7 +344,7 @@ def test_redundant_and_ignored_positions_get_exactly_zero_gradient():
 def test_sample_without_span_gets_only_its_finite_kl():
     logits, reference_logits, roles = _batch([IGN, COM, COM, COM])
     reference = reference_targets(reference_logits, roles, top_k=3)
-    local, kl = palu_forget_loss(logits, roles, reference)
+    local, kl = forget_terms(logits, roles, reference)
     total = local + 2.0 * kl
     assert local.item() == 0.0 and torch.isfinite(total)
     torch.testing.assert_close(total, 2.0 * kl)
@@ -347,11 +356,11 @@ def test_reference_targets_take_the_reference_top_k():
     reference_logits = torch.tensor([[[0.0, 5.0, 1.0, 3.0], [9.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]])
     roles = torch.tensor([[IGN, INI, COM]])
     reference = reference_targets(reference_logits, roles, top_k=2)
-    assert reference.topk_indices.tolist() == [[1, 3]]
-    assert reference.logit_mean.tolist() == [2.25]
+    assert reference.initiating_targets.topk_indices.tolist() == [[1, 3]]
+    assert reference.initiating_targets.logit_mean.tolist() == [2.25]
     probs, neg_entropy = reference_of(reference_logits[0, 1:2])
-    torch.testing.assert_close(reference.common_probs, probs)
-    torch.testing.assert_close(reference.common_neg_entropy, neg_entropy)
+    torch.testing.assert_close(reference.common, probs)
+    torch.testing.assert_close(reference.neg_entropy, neg_entropy)
 
 
 def kl_and_gradient(loss_fn, logits):
@@ -363,8 +372,10 @@ def kl_and_gradient(loss_fn, logits):
 
 def kl_from(reference_logits, kl_direction, top_m=None):
     """The KL of logits (C, V) to the reference's targets in `kl_direction`, full or in the top-m form."""
-    targets = targets_from_selected(reference_logits[:0], reference_logits, 1, kl_direction, top_m)
-    return lambda logits: reference_kl_loss(logits, targets, kl_direction)
+    form = DenseReference if top_m is None else TopMReference
+    initiating = initiating_targets(reference_logits[:0], 1)
+    targets = form(initiating, kl_direction, **common_fields(reference_logits, kl_direction, top_m))
+    return lambda logits: targets.kl(logits, slice(None))
 
 
 @pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
@@ -466,17 +477,18 @@ def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
     roles = torch.tensor([[IGN, IGN, COM, INI, INI, RED, COM], [IGN, INI, RED, COM, COM, IGN, IGN]])
     labels = torch.tensor([[-100, -100, 5, 6, 7, 8, 9], [-100, 1, 2, 3, 4, -100, -100]])
     reference = reference_targets(torch.randn(2, 7, 40), roles, 5, kl_direction, top_m)
-    options = ("global_mean", target_gradient, kl_direction)
+    options = {"target_gradient": target_gradient, "kl_direction": kl_direction}
+    objective = PALUObjective(top_k=5, chunk_rows=chunk_rows, **options)
 
     def losses_and_gradients(at_positions):
         project.zero_grad()
         leaf = hidden.clone().requires_grad_(True)
         if at_positions:
-            terms = [*palu_forget_loss_at_positions(leaf, project, roles, reference, *options, chunk_rows)]
-            terms.append(label_nll_at_positions(leaf, project, labels, chunk_rows))
+            terms = [*objective.forget_terms(leaf, project, roles, reference)]
+            terms.append(objective.retain_nll(leaf, project, labels))
         else:
             logits = project(leaf)
-            terms = [*palu_forget_loss(logits, roles, reference, *options)]
+            terms = [*forget_terms(logits, roles, reference, **options)]
             terms.append(F.cross_entropy(logits[:, :-1].reshape(-1, 40), labels[:, 1:].reshape(-1)))
         torch.stack(terms).sum().backward()
         return torch.stack(terms).detach(), leaf.grad, project.weight.grad.clone(), project.bias.grad.clone()
@@ -489,7 +501,7 @@ def test_projection_at_positions_gives_the_full_logits_losses_and_gradients(
         hidden_gradient[1, 5:].abs().sum() == 0 == hidden_gradient[0, 6].abs().sum()
     )  # predict nothing read
     no_labels = torch.full_like(labels, -100)
-    assert label_nll_at_positions(hidden, project, no_labels, chunk_rows).item() == 0.0
+    assert objective.retain_nll(hidden, project, no_labels).item() == 0.0
 
 
 class CountingProjection(torch.nn.Linear):
@@ -522,10 +534,10 @@ def test_padding_chunks_make_exactly_the_projection_calls_asked_and_add_nothing(
         project.zero_grad()
         project.calls = 0
         leaf = hidden.clone().requires_grad_(True)
-        options = ("global_mean", False, "ref_to_policy", 2)
+        objective = PALUObjective(top_k=5, chunk_rows=2)
         calls = None if initiating_calls is None else (initiating_calls, common_calls)
-        terms = [*palu_forget_loss_at_positions(leaf, project, roles, reference, *options, calls, recompute)]
-        terms.append(label_nll_at_positions(leaf, project, LABELS, 2, retain_calls, recompute))
+        terms = [*objective.forget_terms(leaf, project, roles, reference, calls, recompute)]
+        terms.append(objective.retain_nll(leaf, project, LABELS, retain_calls, recompute))
         forward_calls = project.calls
         torch.stack(terms).sum().backward()
         return (
@@ -558,15 +570,15 @@ def test_reference_model_chunk_by_chunk_gives_the_full_reference_losses_and_grad
     project, reference_project = torch.nn.Linear(16, 40), CountingProjection(16, 40)
     with torch.no_grad():
         full_reference = reference_targets(reference_project(reference_hidden), ROLES, 5, kl_direction)
-    from_model = ReferenceFromModel(
-        *forget_hidden(reference_hidden, ROLES), reference_project, 5, kl_direction
+    from_model = ModelReference(
+        *at_forget_positions(reference_hidden, ROLES), reference_project, 5, kl_direction
     )
-    options = ("global_mean", False, kl_direction, 2)
+    objective = PALUObjective(top_k=5, kl_direction=kl_direction, chunk_rows=2)
 
     def losses_and_gradients(reference):
         project.zero_grad()
         leaf = hidden.clone().requires_grad_(True)
-        terms = torch.stack(palu_forget_loss_at_positions(leaf, project, ROLES, reference, *options))
+        terms = torch.stack(objective.forget_terms(leaf, project, ROLES, reference))
         terms.sum().backward()
         return terms.detach(), leaf.grad, project.weight.grad.clone()
 
@@ -583,13 +595,15 @@ def test_reference_model_chunk_by_chunk_gives_the_full_reference_losses_and_grad
 def test_reference_targets_in_chunks_equal_the_full_logits_targets(kl_direction):
     torch.manual_seed(0)
     hidden, project = torch.randn(2, 7, 16), torch.nn.Linear(16, 40)
-    chunked = reference_targets_at_positions(hidden, project, ROLES, 5, kl_direction, 8, chunk_rows=1)
+    chunked = reference_targets(hidden, ROLES, 5, kl_direction, 8, project, chunk_rows=1)
     with torch.no_grad():
         full = reference_targets(project(hidden), ROLES, 5, kl_direction, 8)
-    for name, value in vars(full).items():
-        if value is None:
-            assert getattr(chunked, name) is None, name
-        else:
-            torch.testing.assert_close(getattr(chunked, name), value, msg=name)
-    none = reference_targets_at_positions(hidden, project, torch.full_like(ROLES, IGN), 5, kl_direction, 8, 2)
-    assert none.topk_indices.shape == (0, 5) and none.common_indices.shape == (0, 8)
+    fields = {**vars(full.initiating_targets), **vars(full)}
+    chunked_fields = {**vars(chunked.initiating_targets), **vars(chunked)}
+    for name, value in fields.items():
+        if value is None or isinstance(value, str):
+            assert chunked_fields[name] == value, name
+        elif torch.is_tensor(value):
+            torch.testing.assert_close(chunked_fields[name], value, msg=name)
+    none = reference_targets(hidden, torch.full_like(ROLES, IGN), 5, kl_direction, 8, project, 2)
+    assert none.initiating_targets.topk_indices.shape == (0, 5) and none.indices.shape == (0, 8)

@@ -2,8 +2,8 @@
 
 import pytest
 
+from palu_trainer.method.checks import check_loss_weights
 from palu_trainer.method.initiating import InitiatingPolicy
-from palu_trainer.method.losses import check_loss_weights
 from palu_trainer.method.tpo_losses import check_beta
 
 

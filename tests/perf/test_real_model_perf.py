@@ -145,9 +145,7 @@ def test_the_reference_pass_reads_the_common_positions_of_a_tiny_llama(tail):
         )
     tails = reference.tail_table()
     assert tails[4]["mean"] > tails[16]["mean"] > 0.01 and tails[vocab]["max"] == 0
-    torch.testing.assert_close(
-        torch.cat(list(cache.common_tail_mass.values())), torch.cat(reference.tails[16])
-    )
+    torch.testing.assert_close(torch.cat(list(cache.common["tail"].values())), torch.cat(reference.tails[16]))
     torch.testing.assert_close(
         torch.cat(reference.common_hidden) @ model.lm_head.weight.T, common, atol=1e-4, rtol=1e-5
     )

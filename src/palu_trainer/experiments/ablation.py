@@ -28,7 +28,7 @@ from palu_trainer.experiments.miniature import (
     tofu_miniature,
 )
 from palu_trainer.framework.trainer_config import trainer_config
-from palu_trainer.method.losses import resolve_top_k
+from palu_trainer.method.local_loss import resolve_top_k
 
 
 def point_run_name(overrides: tuple[str, ...]) -> str:

@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy
 
 from palu_trainer.experiments import real_model, report
-from palu_trainer.experiments.convergence import epochs_of
 from palu_trainer.experiments.methods import METHODS, REAL_MODEL_METHODS
 from palu_trainer.experiments.miniature import (
     SMOLLM2,
@@ -39,6 +38,7 @@ from palu_trainer.experiments.miniature import (
     Miniature,
     RealTofuSize,
     add_arguments,
+    epochs_of,
     parse_arguments,
     start_run,
     tofu_miniature,
@@ -660,10 +660,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "notes": notes,
     }
     paths = write_report(args.run_dir, references, tuning, selected, seeded, cliff, extra)
-    progress.say(f"done in {wall:.0f} s")
-    for label, path in paths.items():
-        print(f"{label}: {path}")
-    return paths
+    return progress.finish(paths)
 
 
 def main(argv=None) -> None:

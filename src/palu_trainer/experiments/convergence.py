@@ -17,16 +17,13 @@ from palu_trainer.experiments.methods import CONVERGENCE_METHODS, METHODS
 from palu_trainer.experiments.miniature import (
     TOFU_SIZES,
     add_arguments,
+    epochs_of,
     parse_arguments,
     start_run,
     tofu_miniature,
 )
 
 PER_EPOCH_CHECKPOINTS = ("trainer.args.save_strategy=epoch", "trainer.args.save_only_model=true")
-
-
-def epochs_of(checkpoint: Path) -> float:
-    return json.loads((checkpoint / "trainer_state.json").read_text())["epoch"]
 
 
 def unlearn_per_epoch(mini, method: str, learning_rate: float, epochs: int) -> list[report.EvaluatedModel]:
@@ -122,10 +119,7 @@ def run_convergence(args, methods: list[str]) -> dict[str, Path]:
         "stage_times_s": progress.stage_times,
     }
     paths["convergence.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
-    progress.say(f"done in {summary['wall_time_s']:.0f} s")
-    for label, path in paths.items():
-        print(f"{label}: {path}")
-    return paths
+    return progress.finish(paths)
 
 
 def main(argv=None) -> None:

@@ -8,7 +8,6 @@ real-model experiment on real TOFU, with seeds (palu_trainer.experiments.real_mo
 """
 
 import argparse
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
@@ -37,7 +36,7 @@ from palu_trainer.experiments.miniature import (
 )
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.framework.trainer_config import trainer_config
-from palu_trainer.method.losses import resolve_top_k
+from palu_trainer.method.local_loss import resolve_top_k
 
 
 def method_notes(methods, benchmark: TofuBenchmark) -> list[str]:
@@ -144,10 +143,7 @@ def finish(
         scorecard=mini.stages.facts.scorecard,
         **report_args,
     )
-    progress.say(f"done in {time.monotonic() - progress.start:.0f} s")
-    for label, path in paths.items():
-        print(f"{label}: {path}")
-    return paths
+    return progress.finish(paths)
 
 
 def run_tofu(args: argparse.Namespace, methods: tuple[str, ...] | None = None) -> dict[str, Path]:

@@ -232,6 +232,13 @@ class Progress:
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.start:6.0f}s] {message}", flush=True)
 
+    def finish(self, paths: dict) -> dict:
+        """Say the run is done, with its wall time, and print what it wrote; returns `paths`."""
+        self.say(f"done in {time.monotonic() - self.start:.0f} s")
+        for label, path in paths.items():
+            print(f"{label}: {path}")
+        return paths
+
     def stage(self, name: str, seconds: float, note: str = "") -> None:
         with self.lock:
             self.done += 1
@@ -276,6 +283,11 @@ def model_paths(model_dir: Path) -> list[str]:
     return [
         f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
     ]
+
+
+def epochs_of(checkpoint: Path) -> float:
+    """The epoch a Trainer checkpoint folder was saved at."""
+    return json.loads((checkpoint / "trainer_state.json").read_text())["epoch"]
 
 
 def unlearning_run_name(method: str, params: dict) -> str:

@@ -16,7 +16,6 @@ from what it finished. `--plan` prints every run and the estimated minutes, and 
 
 import argparse
 import math
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -506,7 +505,4 @@ def run(args: argparse.Namespace, methods: Sequence[str] | None = None) -> dict[
         "selected": {method: run_.name for method, run_ in selected.items()},
     }
     paths = write_report(args.run_dir, references, rows, tuning_by_method, notes, extra)
-    progress.say(f"done in {time.monotonic() - progress.start:.0f} s")
-    for label, path in paths.items():
-        print(f"{label}: {path}")
-    return paths
+    return progress.finish(paths)

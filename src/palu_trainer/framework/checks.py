@@ -29,8 +29,8 @@ from palu_trainer.framework.training_arguments import (
     no_training_warning,
     training_arguments_problem,
 )
+from palu_trainer.method.checks import check_loss_weights, check_number
 from palu_trainer.method.initiating import InitiatingPolicy
-from palu_trainer.method.losses import check_loss_weights, check_number
 
 
 class BadInput(ValueError):
@@ -160,7 +160,8 @@ def trainer_options(cls) -> tuple[set[str], set[str]]:
 
 
 def method_args_problem(cfg, script) -> str | None:
-    """An option the chosen trainer does not take (a typo), or a value its `check_method_args` refuses."""
+    """An option the chosen trainer does not take (a typo), or a value it refuses: its `options_type`
+    (PALU's typed options), its `check_method_args`, or the stock trainers' checks."""
     from trainer import TRAINER_REGISTRY
 
     handler = cfg.trainer.get("handler")
@@ -169,19 +170,19 @@ def method_args_problem(cfg, script) -> str | None:
     if cls is None or method_args is None:
         return None
     options = OmegaConf.to_container(method_args, resolve=True)
-    method, accepted = trainer_options(cls)
-    moved = getattr(cls, "MOVED_METHOD_ARGS", {})
-    for key in options:
-        if key in moved:
-            return moved[key]
-        if key not in accepted:
+    options_type = getattr(cls, "options_type", None)
+    if options_type is not None:
+        check = options_type.from_method_args
+    else:
+        method, accepted = trainer_options(cls)
+        for key in (key for key in options if key not in accepted):
             close = difflib.get_close_matches(key, sorted(method), n=1)
             suggestion = f"did you mean {close[0]}? " if close else ""
             return (
                 f"trainer.method_args.{key} is not an option of {handler}: {suggestion}its options are "
                 f"{', '.join(sorted(method))}"
             )
-    check = getattr(cls, "check_method_args", None) or functools.partial(check_stock_method_args, cls)
+        check = getattr(cls, "check_method_args", None) or functools.partial(check_stock_method_args, cls)
     try:
         check(options)
     except ValueError as error:

@@ -36,7 +36,7 @@ PALU on TOFU (palu-train --config-name=unlearn.yaml):
   num_initiating_tokens=3             N: leading tokens of each span that get the local entropy loss
   min_initiating_tokens=auto          stop before training below this many initiating tokens
                                       (auto: one per 10 forget rows; 0 allows retain-only training)
-  trainer.method_args.top_k=5000      K;  .kl_weight=1.0 (lambda);  .target=global_mean
+  trainer.method_args.top_k=0.15625   K (share of |V|, or an integer);  .kl_weight=1.0;  .target=global_mean
   trainer.method_args.reference_cache=auto   auto | true | false;  .reference_cache_max_gib=4.0 (per rank)
   +trainer.args.resume_from_checkpoint=DIR   resume (a checkpoint-N folder, or true for the last one)
 Baselines: experiment=unlearn/tofu/default trainer=NPO (SimNPO, GradDiff, ...)

@@ -3,7 +3,7 @@
 The forget set is fixed and the reference is the policy before its first step, so one pass of the
 policy over the forget set yields everything PALU ever reads from the reference: no second model.
 At a common position the cache keeps the reference's m most probable entries and their tail mass
-(about m + 1 numbers instead of |V|; see `losses.ReferenceTargets` for the KL this gives and its error).
+(about m + 1 numbers instead of |V|; see `reference.TopMReference` for the KL this gives and its error).
 """
 
 import logging
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from palu_trainer.method.losses import ReferenceTargets
+from palu_trainer.method.reference import InitiatingTargets, TopMReference
 from palu_trainer.method.roles import TokenRole
 
 logger = logging.getLogger(__name__)
@@ -43,39 +43,33 @@ def resolve_top_m(top_m, vocab_size: int) -> int:
     return min(check_top_m(top_m), vocab_size)
 
 
+INITIATING_FIELDS = ("topk_indices", "logit_mean", "topk_spread")
+COMMON_FIELDS = ("indices", "common", "tail", "neg_entropy")
+
+
 @dataclass
 class ReferenceCache:
-    """Per forget row (keyed by dataset index), on host memory.
+    """The reference's `TopMReference` of every forget row (keyed by dataset index), on host memory.
 
-    topk_indices[i]: (M_i, K) int32; logit_mean[i] and topk_spread[i]: (M_i,) fp32; rows in the order of
-    the row's initiating / common positions. common_indices[i]: (C_i, m) int32, the reference's m most
-    probable entries there. For KL(P_ref ‖ P_θ): common_probs[i] (C_i, m) in the cache dtype,
-    common_tail_mass[i] and common_neg_entropy[i] (C_i,) fp32; for KL(P_θ ‖ P_ref): common_log_probs[i]
-    (C_i, m) in the cache dtype (log P_ref itself, so probabilities that underflow to 0 keep their exact
-    log) and common_log_tail_mass[i] (C_i,) fp32. Unused tables are empty.
+    initiating[name][i]: the row's `InitiatingTargets` field `name`, topk_indices (M_i, K) int32,
+    logit_mean and topk_spread (M_i,) fp32. common[name][i]: its `TopMReference` field `name`, indices
+    (C_i, m) int32, common (C_i, m) in the cache dtype (P_ref, or log P_ref for `policy_to_ref`, so that
+    probabilities that underflow to 0 keep their exact log), tail and neg_entropy (C_i,) fp32. Rows are in
+    the order of the row's initiating / common positions.
     """
 
-    topk_indices: dict[int, torch.Tensor] = field(default_factory=dict)
-    logit_mean: dict[int, torch.Tensor] = field(default_factory=dict)
-    topk_spread: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_neg_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_log_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_indices: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_tail_mass: dict[int, torch.Tensor] = field(default_factory=dict)
-    common_log_tail_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    kl_direction: str
+    initiating: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    common: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
-    def _tables(self) -> dict[str, dict[int, torch.Tensor]]:
-        return {name: table for name, table in vars(self).items() if table}
+    def _tables(self):
+        return [*self.initiating.values(), *self.common.values()]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for table in self._tables().values() for t in table.values())
+        return sum(t.numel() * t.element_size() for table in self._tables() for t in table.values())
 
-    def common_rows(self) -> dict[int, torch.Tensor]:
-        return self.common_log_probs or self.common_probs
-
-    def targets(self, row_indices: Iterable[int], roles: torch.Tensor, device) -> ReferenceTargets:
+    def targets(self, row_indices: Iterable[int], roles: torch.Tensor, device) -> TopMReference:
         """The batch's targets, in the order `roles[roles == ROLE]` selects positions.
 
         Args:
@@ -85,57 +79,62 @@ class ReferenceCache:
         rows = [int(i) for i in row_indices]
         for row, row_roles in zip(rows, roles):
             expected = count_positions([row_roles])
-            cached = (self.topk_indices[row].shape[0], self.common_rows()[row].shape[0])
+            cached = (self.initiating["topk_indices"][row].shape[0], self.common["indices"][row].shape[0])
             if expected != cached:
                 raise RuntimeError(
                     f"reference cache for forget row {row} holds {cached} initiating/common positions, the "
                     f"batch has {expected}: the forget data changed after the cache was built"
                 )
-        dtypes = {
-            "topk_indices": torch.long,
-            "common_indices": torch.long,
-            "common_probs": torch.float32,
-            "common_log_probs": torch.float32,
-        }
-        return ReferenceTargets(
-            **{
+        dtypes = {"topk_indices": torch.long, "indices": torch.long, "common": torch.float32}
+
+        def batch(tables):
+            return {
                 name: torch.cat([table[r] for r in rows]).to(device, dtypes.get(name))
-                for name, table in self._tables().items()
+                for name, table in tables.items()
             }
+
+        return TopMReference(
+            InitiatingTargets(**batch(self.initiating)), self.kl_direction, **batch(self.common)
         )
 
 
 def build_reference_cache(
-    batch_targets: Callable[[dict], ReferenceTargets],
+    batch_targets: Callable[[dict], TopMReference],
     batches: Iterable[dict],
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceCache:
     """Run `batch_targets` over collated forget batches and keep each row's targets on the host.
 
     `batch_targets(batch)` gives the reference's targets for the batch's initiating and common positions,
-    in row-major order (see `losses.forget_rows`), in the top-m form for a bounded cache (see
-    `losses.reference_targets_at_positions`). Each batch needs `input_ids`, `attention_mask`,
-    `token_roles` and `index`. Called identically on every rank, so that ZeRO-3's collective forwards line
-    up; each rank keeps the whole forget set. `dtype` stores the (log) probabilities (see `cache_dtype`).
+    in row-major order (see `positions.forget_rows`), in the top-m form (see `reference.reference_targets`).
+    Each batch needs `input_ids`, `attention_mask`, `token_roles` and `index`. Called identically on every
+    rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set. `dtype`
+    stores the (log) probabilities (see `cache_dtype`).
     """
-    cache = ReferenceCache()
-    dtypes = {
-        "topk_indices": torch.int32,
-        "common_indices": torch.int32,
-        "common_probs": dtype,
-        "common_log_probs": dtype,
-    }
+    cache = None
+    dtypes = {"topk_indices": torch.int32, "indices": torch.int32, "common": dtype}
     with torch.no_grad():
         for batch in batches:
             targets = batch_targets(batch)
+            cache = cache or ReferenceCache(targets.kl_direction)
             counts = [count_positions([row_roles]) for row_roles in batch["token_roles"]]
-            sizes = {"initiating": [m for m, _ in counts], "common": [c for _, c in counts]}
-            for name, value in vars(targets).items():
-                if value is None:
-                    continue
-                parts = value.split(sizes["common" if name.startswith("common_") else "initiating"])
-                for index, part in zip(batch["index"].tolist(), parts):
-                    getattr(cache, name)[index] = part.to("cpu", dtypes.get(name))
+            parts = [
+                (cache.initiating, vars(targets.initiating_targets), [m for m, _ in counts]),
+                (
+                    cache.common,
+                    {name: getattr(targets, name) for name in COMMON_FIELDS},
+                    [c for _, c in counts],
+                ),
+            ]
+            for tables, values, sizes in parts:
+                for name, value in values.items():
+                    if value is None:
+                        continue
+                    table = tables.setdefault(name, {})
+                    for index, part in zip(batch["index"].tolist(), value.split(sizes)):
+                        table[index] = part.to("cpu", dtypes.get(name))
+    if cache is None:
+        raise ValueError("the reference cache needs at least one forget batch")
     return cache
 
 
@@ -171,18 +170,18 @@ def estimated_nbytes(
 
 def describe(cache: ReferenceCache, top_k: int, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
-    initiating = sum(t.shape[0] for t in cache.topk_indices.values())
-    common = sum(t.shape[0] for t in cache.common_rows().values())
-    top_m = next((t.shape[1] for t in cache.common_rows().values() if t.numel()), 0)
-    if cache.common_tail_mass:
-        tail = torch.cat(list(cache.common_tail_mass.values()))
-    else:
-        tail = torch.cat(list(cache.common_log_tail_mass.values()) or [torch.zeros(0)]).exp()
+    initiating = sum(t.shape[0] for t in cache.initiating["topk_indices"].values())
+    common = sum(t.shape[0] for t in cache.common["indices"].values())
+    top_m = next((t.shape[1] for t in cache.common["indices"].values() if t.numel()), 0)
+    tail = torch.cat(list(cache.common["tail"].values()) or [torch.zeros(0)])
+    if cache.kl_direction == "policy_to_ref":
+        tail = tail.exp()
     tail_text = (
         f"P_ref's tail mass mean {tail.mean():.2e}, max {tail.max():.2e}" if tail.numel() else "no tail"
     )
     return (
-        f"reference cache: {len(cache.topk_indices)} forget rows, {initiating} initiating positions x "
-        f"K={top_k} int32, {common} common positions x top m={top_m} int32 + {dtype_name} and a tail bucket "
-        f"({tail_text}): {cache.nbytes / 2**20:.1f} MiB of host memory; no reference model is kept"
+        f"reference cache: {len(cache.initiating['topk_indices'])} forget rows, {initiating} initiating "
+        f"positions x K={top_k} int32, {common} common positions x top m={top_m} int32 + {dtype_name} and a "
+        f"tail bucket ({tail_text}): {cache.nbytes / 2**20:.1f} MiB of host memory; no reference model is "
+        "kept"
     )

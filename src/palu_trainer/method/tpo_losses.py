@@ -17,7 +17,7 @@ Every reduction runs in fp32; an empty selection gives exactly 0.
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.losses import check_number
+from palu_trainer.method.checks import check_number
 from palu_trainer.method.roles import TokenRole
 
 

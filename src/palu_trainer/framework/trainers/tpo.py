@@ -5,7 +5,7 @@ import torch
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
-from palu_trainer.method.losses import check_loss_weights
+from palu_trainer.method.checks import check_loss_weights
 from palu_trainer.method.tpo_losses import check_beta, tpo_preference_loss, tpo_preservation_loss
 
 ensure_importable()

@@ -1,0 +1,91 @@
+"""Losses over (N, V) logits that never hold more than a chunk of them: the output projection runs a chunk
+of positions at a time under activation checkpointing (as chunked cross-entropy in Liger and torchtune)."""
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Logits held at once: 2**22 fp32 numbers (16 MiB, 32 positions at |V| = 128256); a step never holds
+# (positions x |V|) logits.
+LOGIT_CHUNK_ELEMENTS = 2**22
+
+
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """fp32 for half-precision inputs; float64 stays float64."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def identity(states: torch.Tensor) -> torch.Tensor:
+    """The projection of states that already are logits (a model whose logits PALU cannot recompute)."""
+    return states
+
+
+def chunk_count(rows: int, chunk_rows: int) -> int:
+    """Chunks of at most `chunk_rows` that `rows` positions need (0 for none)."""
+    return -(-rows // chunk_rows)
+
+
+def logit_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk of `mean_over_chunks`: LOGIT_CHUNK_ELEMENTS logits, at least one row."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // vocab_size)
+
+
+def mean_over_chunks(
+    states: torch.Tensor,
+    project: Callable | None,
+    row_loss: Callable,
+    chunk_rows: int | None,
+    num_chunks: int | None = None,
+    recompute: bool = True,
+) -> torch.Tensor:
+    """A mean-over-rows loss of the logits `project(states)` (N, V), never holding more than `chunk_rows`
+    rows of logits: each chunk's projection and loss run under activation checkpointing (recomputed in
+    the backward pass), weighted by its share of rows.
+
+    Args:
+        states: (N, d) hidden states of the rows. project: (n, d) -> (n, V); None: `states` are the
+            logits (N, V) themselves.
+        row_loss: (logits (n, V), rows: slice) -> the mean of the loss over those rows (scalar); also
+            called on a padding chunk's zero rows (with whatever reference projection it makes), where it
+            must return 0.
+        chunk_rows: rows per chunk (see `logit_chunk_rows`); None: one chunk.
+        num_chunks: call `project` exactly this many times, forward and backward alike (at least
+            `chunk_count(N, chunk_rows)`): the chunks past the rows project zero rows and add exactly 0.
+            Under ZeRO-3 each call of the partitioned projection is a collective, so every rank must make
+            as many as the others; None: as many as the rows need.
+        recompute: False keeps each chunk's activations for the backward instead of recomputing them:
+            under ZeRO-3, where a recompute inside the backward gathers and releases the projection's
+            parameters around ZeRO-3's own backward gathering of them, which breaks the step.
+
+    Returns:
+        Scalar, equal to `row_loss(project(states), slice(None))`; exactly 0 when N == 0.
+    """
+    project = project or identity
+    total = states.shape[0]
+    chunk_rows = chunk_rows or max(total, 1)
+    needed = chunk_count(total, chunk_rows)
+    num_chunks = needed if num_chunks is None else num_chunks
+    if num_chunks < needed:
+        raise ValueError(f"num_chunks={num_chunks}: {total} rows need {needed} chunks of {chunk_rows}")
+    if num_chunks == 0:
+        return states.new_zeros((), dtype=torch.float32)
+
+    def chunk_loss(chunk_states, rows):
+        if rows.start < rows.stop:
+            return row_loss(at_least_fp32(project(chunk_states)), rows)
+        # A padding chunk adds exactly 0 through the projection, so that its parameters are gathered and
+        # get their (zero) gradient as on every other rank. It projects one zero row, not none: ZeRO-3
+        # gathers a module for its backward only when its output has elements.
+        padding = at_least_fp32(project(chunk_states.new_zeros((1, chunk_states.shape[-1]))))
+        return row_loss(padding[:0], rows) + 0.0 * padding.sum()
+
+    parts = []
+    for chunk in range(num_chunks):
+        rows = slice(min(chunk * chunk_rows, total), min((chunk + 1) * chunk_rows, total))
+        share = (rows.stop - rows.start) / total if total else 0.0
+        if recompute and torch.is_grad_enabled():
+            parts.append(share * checkpoint(chunk_loss, states[rows], rows, use_reentrant=False))
+        else:
+            parts.append(share * chunk_loss(states[rows], rows))
+    return torch.stack(parts).sum()

@@ -1,0 +1,160 @@
+"""PALU's objective: loss = gamma·(local + λ·KL) + alpha·retain, one object owning its settings.
+
+Shapes: B batch, T sequence length, d the width of the states the objective is handed (the final hidden
+size, projected to V by `project`; or V itself when the states are logits and `project` is None).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from palu_trainer.method.checks import check_choice
+from palu_trainer.method.chunking import mean_over_chunks
+from palu_trainer.method.kl import check_kl_direction
+from palu_trainer.method.local_loss import check_local_loss_scale, check_target, local_entropy_loss
+from palu_trainer.method.positions import at_forget_positions, flat_rows, label_positions
+from palu_trainer.method.reference import ModelReference, Reference, reference_targets
+
+
+def check_kl_weight(kl_weight):
+    """λ: a number >= 0, or `alpha` (the released code: the KL is weighted by alpha, outside gamma)."""
+    if kl_weight == "alpha":
+        return kl_weight
+    if isinstance(kl_weight, bool) or not isinstance(kl_weight, int | float) or not kl_weight >= 0:
+        raise ValueError(
+            f"kl_weight={kl_weight!r}: must be a number >= 0 (λ, the weight of the KL on common tokens) "
+            "or `alpha` (the released code's tie of the KL weight to the retain weight)"
+        )
+    return kl_weight
+
+
+@dataclass
+class PALUTerms:
+    """One batch's terms: `local`, `kl`, `retain` as computed (fp32 scalars, for the log) and `weighted`,
+    the summands of the training loss (local, kl, retain with their weights)."""
+
+    local: torch.Tensor
+    kl: torch.Tensor
+    retain: torch.Tensor
+    weighted: dict[str, torch.Tensor]
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return sum(self.weighted.values())
+
+
+@dataclass(frozen=True)
+class PALUObjective:
+    """loss = gamma·(local + λ·KL) + alpha·retain; with kl_weight `alpha` (the released code),
+    gamma·local + alpha·KL + alpha·retain.
+
+    top_k: K, resolved against the vocabulary (`local_loss.resolve_top_k`). target, target_gradient: c of
+    the local loss and whether gradient flows through it. kl_direction: `ref_to_policy` KL(P_ref ‖ P_θ) (the
+    paper) or `policy_to_ref` (the released code). kl_weight: λ. local_loss_scale: `none` (the paper) or
+    `reference` (each initiating position's loss over the reference's own there). chunk_rows: positions
+    projected at once (`chunking.logit_chunk_rows`); None: all at once.
+    """
+
+    top_k: int
+    target: str = "global_mean"
+    target_gradient: bool = False
+    kl_direction: str = "ref_to_policy"
+    kl_weight: float | str = 1.0
+    local_loss_scale: str = "none"
+    gamma: float = 1.0
+    alpha: float = 1.0
+    chunk_rows: int | None = None
+
+    def __post_init__(self):
+        check_target(self.target)
+        check_choice("target_gradient", self.target_gradient, (True, False))
+        check_kl_direction(self.kl_direction)
+        check_kl_weight(self.kl_weight)
+        check_local_loss_scale(self.local_loss_scale)
+
+    def reference(self, states, roles, project=None, top_m=None) -> Reference:
+        """The reference's targets for a batch from its states (B, T, d), computed now (no gradient): dense,
+        or the top-m form with `top_m` (see `reference.reference_targets`)."""
+        return reference_targets(
+            states, roles, self.top_k, self.kl_direction, top_m, project, self.chunk_rows
+        )
+
+    def model_reference(self, states, roles, project=None) -> ModelReference:
+        """The reference model's targets, projected inside the loss's chunks (see `ModelReference`)."""
+        return ModelReference(*at_forget_positions(states, roles), project, self.top_k, self.kl_direction)
+
+    def forget_terms(
+        self,
+        states: torch.Tensor,
+        project: Callable | None,
+        roles: torch.Tensor,
+        reference: Reference,
+        num_chunks: tuple[int, int] | None = None,
+        recompute: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local, KL) of one forget batch, fp32 scalars; redundant tokens contribute nothing.
+
+        Args:
+            states: (B, T, d), unshifted: position t-1 predicts token t. project: (n, d) -> (n, V), run only
+                at the initiating and common positions, `chunk_rows` at a time; None: `states` are logits.
+            roles: (B, T) TokenRole of each input token.
+            reference: the reference's side for this batch (any `Reference`).
+            num_chunks: (initiating, common) projection calls, for ZeRO-3 (`chunking.mean_over_chunks`).
+            recompute: see `chunking.mean_over_chunks`.
+        """
+        initiating_chunks, common_chunks = num_chunks or (None, None)
+
+        def local_rows(logits, rows):
+            targets = reference.initiating(rows)
+            scale = targets.topk_spread if self.local_loss_scale == "reference" else None
+            return local_entropy_loss(
+                logits, targets.topk_indices, self.target, targets.logit_mean, self.target_gradient, scale
+            )
+
+        initiating, common = at_forget_positions(states, roles)
+        local = mean_over_chunks(
+            initiating, project, local_rows, self.chunk_rows, initiating_chunks, recompute
+        )
+        kl = mean_over_chunks(common, project, reference.kl, self.chunk_rows, common_chunks, recompute)
+        return local, kl
+
+    def retain_nll(
+        self,
+        states: torch.Tensor,
+        project: Callable | None,
+        labels: torch.Tensor,
+        num_chunks: int | None = None,
+        recompute: bool = True,
+    ) -> torch.Tensor:
+        """Mean next-token NLL over label positions (`model(labels=...).loss`), projecting only the positions
+        that predict a label; labels (B, T), -100 where none, unshifted. Exactly 0 when no label."""
+        rows = label_positions(labels)
+        targets = labels[:, 1:][rows[:, 0], rows[:, 1]]
+        flat = flat_rows(states, rows[:, 0] * labels.shape[1] + rows[:, 1])
+
+        def mean_nll(logits, rows):
+            return F.cross_entropy(logits, targets[rows]) if len(logits) else logits.new_zeros(())
+
+        return mean_over_chunks(flat, project, mean_nll, self.chunk_rows, num_chunks, recompute)
+
+    def weigh(self, local: torch.Tensor, kl: torch.Tensor, retain: torch.Tensor) -> PALUTerms:
+        kl_factor = self.alpha if self.kl_weight == "alpha" else self.gamma * self.kl_weight
+        weighted = {"local": self.gamma * local, "kl": kl_factor * kl, "retain": self.alpha * retain}
+        return PALUTerms(local, kl, retain, weighted)
+
+
+def term_gradient_norms(terms: dict[str, torch.Tensor], parameters: list[torch.Tensor]) -> dict[str, float]:
+    """The L2 norm of each term's gradient over `parameters` (all of them together), one backward pass per
+    term through the same graph (kept for the training step's own backward). A term that does not depend
+    on the parameters (a zero retain loss, a batch without initiating tokens) has norm 0."""
+    norms = {}
+    for name, term in terms.items():
+        if not term.requires_grad:
+            norms[name] = 0.0
+            continue
+        gradients = torch.autograd.grad(term, parameters, retain_graph=True, allow_unused=True)
+        squares = [gradient.float().pow(2).sum() for gradient in gradients if gradient is not None]
+        norms[name] = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    return norms

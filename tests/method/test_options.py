@@ -1,0 +1,72 @@
+"""PALUOptions is the one list of PALU's options: the YAML, the docs' table and the usage text follow it."""
+
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from palu_trainer.framework.cli import USAGE
+from palu_trainer.method.options import PALUOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def written(value) -> str:
+    """A default as docs/method.md writes it: booleans and words in backticks, numbers bare."""
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def test_palu_yaml_sets_every_option_to_its_default():
+    method_args = OmegaConf.load(ROOT / "configs/trainer/PALU.yaml").method_args
+    assert OmegaConf.to_container(method_args) == PALUOptions.defaults()
+
+
+def test_docs_table_has_one_row_per_option_with_its_default():
+    text = (ROOT / "docs/method.md").read_text()
+    table = text.split("| key (`trainer.method_args.`) | default | meaning |")[1].split("\n\n")[0]
+    documented = {}
+    for row in table.strip().splitlines()[1:]:
+        names, defaults = (cell.strip() for cell in row.strip("|").split(" | ")[:2])
+        for name, default in zip(re.findall(r"`(\w+)`", names), defaults.split(", "), strict=True):
+            documented[name] = default
+    assert documented == {name: written(value) for name, value in PALUOptions.defaults().items()}
+
+
+def test_usage_names_only_options_at_their_defaults():
+    lines = [line for line in USAGE.splitlines() if "trainer.method_args." in line]
+    shown = dict(re.findall(r"\.(\w+)=([\w.]+)", "\n".join(lines)))
+    assert len(shown) >= 4
+    defaults = PALUOptions.defaults()
+    assert {name: str(defaults[name]) for name in shown} == shown
+
+
+def test_every_option_has_help():
+    from dataclasses import fields
+
+    assert all(len(each.metadata["help"]) > 10 for each in fields(PALUOptions))
+
+
+@pytest.mark.parametrize(
+    ("method_args", "message"),
+    [
+        ({"topk": 5}, r"^topk is not an option of PALUTrainer: did you mean top_k\? its options are alpha, "),
+        ({"num_initiating_tokens": 2}, r"top-level `num_initiating_tokens=N`"),
+        ({"top_k": 0}, r"^top_k=0: give a positive integer K"),
+        ({"gamma": -1}, r"^gamma=-1: must be a number >= 0"),
+        ({"reference_cache_max_gib": "lots"}, r"^reference_cache_max_gib='lots': must be a number >= 0"),
+    ],
+)
+def test_from_method_args_names_the_key_and_what_to_write(method_args, message):
+    with pytest.raises(ValueError, match=message):
+        PALUOptions.from_method_args(method_args)
+
+
+def test_options_are_checked_when_built_directly_too():
+    with pytest.raises(
+        ValueError, match="kl_direction='forward'; choose one of ref_to_policy, policy_to_ref"
+    ):
+        PALUOptions(kl_direction="forward")
+    assert PALUOptions.from_method_args({"kl_weight": "alpha"}).kl_weight == "alpha"
