@@ -92,7 +92,7 @@ def kl_full_and_top_m(policy_logits: torch.Tensor, reference_logits: torch.Tenso
     return {
         "full": per_row["full"],
         "top_m": per_row["top_m"],
-        "tail_mass": top["common_tail_mass"],
+        "tail_mass": top["tail"],
         "gradient_l1_error": (gradients["top_m"] - gradients["full"]).abs().sum(-1),
         "gradient_l1": gradients["full"].abs().sum(-1),
     }

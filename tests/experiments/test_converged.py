@@ -16,8 +16,8 @@ from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import converged, miniature
 from palu_trainer.experiments.converged import (
     CLIFF_VARIANTS,
+    CONVERGED_KNOB_VALUES,
     CURVE_METRICS,
-    KNOB_VALUES,
     Point,
     best_at_utility,
     cliff_runs,
@@ -37,9 +37,9 @@ ORIGINAL_MU = 0.44
 def test_the_plan_is_the_issues_protocol():
     """≥ 3 learning rates, the same for every method, crossed with two knob values; 10 epochs; the cliff
     study at the pilot's rate."""
-    runs = tuning_runs(tuple(KNOB_VALUES), SIZE)
+    runs = tuning_runs(tuple(CONVERGED_KNOB_VALUES), SIZE)
     assert SIZE.unlearn_epochs == 10 and len(SIZE.unlearn_learning_rates) >= 3
-    for method in KNOB_VALUES:
+    for method in CONVERGED_KNOB_VALUES:
         rates = sorted({run.learning_rate for run in runs if run.method == method})
         assert rates == sorted(SIZE.unlearn_learning_rates)
         assert sum(run.method == method for run in runs) == 2 * len(rates)

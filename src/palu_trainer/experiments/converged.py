@@ -4,7 +4,7 @@ palu_trainer.experiments.converged --data tofu --tofu-dir ...`).
 The real-model experiment's data, model, Original and Retain (experiments/real_model.py, cached), at the
 paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's warmup_ratio 0.1).
 1. tuning on seed 0: every method on the same learning-rate grid x two values of its own knob
-   (`KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are evaluated with the
+   (`CONVERGED_KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are evaluated with the
    curve metrics (FQ, MU, forget ROUGE; KS D follows from FQ) and the last with the full stock set;
 2. fronts: every (run, evaluated epoch) is a point (MU, FQ); each method's Pareto front, and the best FQ it
    reaches while keeping MU at 90% and 80% of the Original's;
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy
 
 from palu_trainer.experiments import real_model, report
-from palu_trainer.experiments.methods import METHODS, REAL_MODEL_METHODS
+from palu_trainer.experiments.methods import CONVERGED_KNOB_VALUES, METHODS, REAL_MODEL_METHODS
 from palu_trainer.experiments.miniature import (
     SMOLLM2,
     TOFU_SIZES,
@@ -50,16 +50,6 @@ from palu_trainer.framework.checkout import PROJECT_ROOT
 # at 1e-5 PALU and TPO barely move (forget ROUGE 0.90, 0.88), at 3e-5 PALU's MU collapses while NPO and TPO
 # keep 88% of it, and 1e-4 (the 2-epoch table's upper rate) is where the others collapse too.
 LEARNING_RATES = (1e-5, 3e-5, 1e-4)
-# Two values of each method's knob: its config's value, then the next value of its grid (methods.METHODS) on
-# the side that keeps more utility, since the pilot's failure mode was lost utility (a larger retain weight
-# α for GradDiff, a larger β for NPO, SimNPO and TPO, a larger λ for PALU).
-KNOB_VALUES = {
-    "GradDiff": (1.0, 2.0),
-    "NPO": (0.1, 0.5),
-    "SimNPO": (4.5, 6.5),
-    "TPO": (0.32, 1.0),
-    "PALU": (1.0, 2.0),
-}
 CURVE_EPOCHS = (1, 2, 4, 6, 8)  # evaluated with the curve metrics; the last epoch with the full set
 # The curve metrics: the stock set without the ones the curves do not read (forget_quality computes the
 # forget truth ratios itself; model_utility its nine parts). Keys as the metric configs' @package names them.
@@ -144,7 +134,7 @@ def knob_grid(method: str, learning_rates: Sequence[float]) -> list[tuple[float,
     return [
         (rate, {"lr": rate, knob.name: value}, (f"{knob.key}={value}",))
         for rate in learning_rates
-        for value in KNOB_VALUES[method]
+        for value in CONVERGED_KNOB_VALUES[method]
     ]
 
 
@@ -571,7 +561,7 @@ def write_report(
             for curve in tuning
             if curve.run.method == "PALU"
             and curve.run.learning_rate == cliff[0].run.learning_rate
-            and curve.run.params.get("lambda") == KNOB_VALUES["PALU"][0]
+            and curve.run.params.get("lambda") == CONVERGED_KNOB_VALUES["PALU"][0]
         )
         table, cliff_reading = cliff_table(base, cliff, original[UTILITY])
         markdown += ["## PALU's utility cliff", "", table, "", *(f"- {line}" for line in cliff_reading), ""]
@@ -640,7 +630,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         real_model.fq_resolution(size.layout.forget_rows),
         f"Learning rates {list(size.unlearn_learning_rates)} for every method (pilot: issue 30's table at "
         "8a3b9e1); knob values: "
-        + "; ".join(f"{m} {METHODS[m].knob.name} {list(KNOB_VALUES[m])}" for m in methods)
+        + "; ".join(f"{m} {METHODS[m].knob.name} {list(CONVERGED_KNOB_VALUES[m])}" for m in methods)
         + ".",
         f"Selection: {SCORECARD.selection_rule} (on the last epoch).",
         f"Curve epochs {list(evaluated_epochs(size.unlearn_epochs))}: forget_quality, forget_Q_A_ROUGE and "
@@ -669,7 +659,9 @@ def main(argv=None) -> None:
     )
     add_arguments(parser)
     parser.set_defaults(model="smollm2", data="tofu")  # the real model on real TOFU, nothing else
-    parser.add_argument("--methods", nargs="+", choices=list(KNOB_VALUES), default=list(REAL_MODEL_METHODS))
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(CONVERGED_KNOB_VALUES), default=list(REAL_MODEL_METHODS)
+    )
     parser.add_argument(
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
     )
