@@ -4,8 +4,9 @@ palu_trainer.experiments.converged --data tofu --tofu-dir ...`).
 The real-model experiment's data, model, Original and Retain (experiments/real_model.py, cached), at the
 paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's warmup_ratio 0.1).
 1. tuning on seed 0: every method on the same learning-rate grid x two values of its own knob
-   (`CONVERGED_KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are evaluated with the
-   curve metrics (FQ, MU, forget ROUGE; KS D follows from FQ) and the last with the full stock set;
+   (`methods.CONVERGED_KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are
+   evaluated with the curve metrics (FQ, MU, forget ROUGE; KS D follows from FQ) and the last with the
+   full stock set;
 2. fronts: every (run, evaluated epoch) is a point (MU, FQ); each method's Pareto front, and the best FQ it
    reaches while keeping MU at 90% and 80% of the Original's;
 3. seeds: the setting that the selection rule picks per method (on the last epoch), on seeds 1 and 2, curves

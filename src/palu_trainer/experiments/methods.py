@@ -56,9 +56,10 @@ class Method:
 
 KNOB_VALUES = 3  # values per knob: the same for every method, so every method gets the same number of runs
 
-# `make converged` (issue 30) crosses two values of each method's knob: its config's value, then the next value
-# of its grid (METHODS) on the side that keeps more utility, since the pilot's failure mode was lost utility (a
-# larger retain weight α for GradDiff, a larger β for NPO, SimNPO and TPO, a larger λ for PALU).
+# `make converged` (issue 30) crosses two values of each method's knob: its config's value, then the
+# next value of its grid (METHODS) on the side that keeps more utility, since the pilot's failure mode
+# was lost utility (a larger retain weight α for GradDiff, a larger β for NPO, SimNPO and TPO, a larger
+# λ for PALU).
 CONVERGED_KNOB_VALUES = {
     "GradDiff": (1.0, 2.0),
     "NPO": (0.1, 0.5),
