@@ -119,29 +119,29 @@ test-fast:
 	$(PYTEST) -m "not slow and not distributed" tests
 
 lint:
-	$(PY) -m ruff check src tests scripts perf
-	$(PY) -m ruff format --check src tests scripts perf
+	$(PY) -m ruff check src lab tests scripts perf
+	$(PY) -m ruff format --check src lab tests scripts perf
 
 format:
-	$(PY) -m ruff check --fix src tests scripts perf
-	$(PY) -m ruff format src tests scripts perf
+	$(PY) -m ruff check --fix src lab tests scripts perf
+	$(PY) -m ruff format src lab tests scripts perf
 
 bench:
 	$(PY) perf/bench.py $(if $(PRESET),--preset $(PRESET)) --out results/bench.json
 
 demo:
-	$(PY) -m palu_trainer.experiments.demo --bench $(BENCH) $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS)) \
+	$(PY) -m palu_lab.demo --bench $(BENCH) $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS)) \
 		$(if $(MINI_MODEL),--model $(MINI_MODEL)) $(if $(PLAN),--plan) \
 		$(if $(filter muse,$(BENCH)),--muse-dir $(or $(MUSE_DIR),$(SHARED)/data/muse_news))
 
 ablation:
-	$(PY) -m palu_trainer.experiments.ablation $(TOFU_ARGS) $(if $(AXES),--axes $(AXES))
+	$(PY) -m palu_lab.ablation $(TOFU_ARGS) $(if $(AXES),--axes $(AXES))
 
 convergence:
-	$(PY) -m palu_trainer.experiments.convergence $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS))
+	$(PY) -m palu_lab.convergence $(TOFU_ARGS) $(if $(METHODS),--methods $(METHODS))
 
 converged:
-	$(PY) -m palu_trainer.experiments.converged --data tofu --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
+	$(PY) -m palu_lab.converged --data tofu --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
 		$(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 		$(if $(METHODS),--methods $(METHODS)) $(if $(PLAN),--plan)
 

@@ -32,8 +32,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from palu_lab.smollm2 import VOCAB_SIZE, default_dir, read_marker
 from palu_trainer.experiments.methods import BENCH_BASELINES, METHODS
-from palu_trainer.experiments.smollm2 import VOCAB_SIZE, default_dir, read_marker
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.stack import tokenizer_keyword

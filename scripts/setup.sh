@@ -48,7 +48,7 @@ realpath "$OPEN_UNLEARNING_DIR" > "$prefix/etc/palu_trainer/open-unlearning-dir"
 # 3. Its requirements (with our torch held), deepspeed built against that torch, lm-eval, the plugin.
 torch_pin="torch==$("$PY" -W ignore -c 'import torch; print(torch.__version__)')"
 stamp="$prefix/etc/palu_trainer/requirements.sha1"
-digest=$(cat "$OPEN_UNLEARNING_DIR/requirements.txt" setup.cfg <(echo "$torch_pin") | sha1sum | cut -d' ' -f1)
+digest=$(cat "$OPEN_UNLEARNING_DIR/requirements.txt" setup.cfg lab/pyproject.toml <(echo "$torch_pin") | sha1sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ]; then
   say "requirements unchanged since the last setup"
 else
@@ -61,8 +61,9 @@ else
   say "installing deepspeed (built against $torch_pin) and lm-eval, which the framework imports"
   pip_install --no-build-isolation "deepspeed==0.15.4" "$torch_pin"
   pip_install "lm-eval==0.4.8" "$torch_pin"
-  say "installing palu-trainer (editable)"
+  say "installing palu-trainer and, for contributors, its lab (lab/: the miniature and the experiments; editable)"
   pip_install -e ".[dev]" "$torch_pin"
+  pip_install --no-deps -e lab
   rm -f "$requirements"
   echo "$digest" > "$stamp"
 fi
@@ -71,7 +72,7 @@ fi
 # the venv's TORCH_EXTENSIONS_DIR (Makefile), not inside the first distributed test's time.
 if ! command -v nvidia-smi >/dev/null; then
   say "building the CPU shared-memory op of DeepSpeed into ${TORCH_EXTENSIONS_DIR:-the default torch extensions folder}"
-  "$PY" -m palu_trainer.framework.accelerate_config
+  "$PY" -m palu_trainer.framework.launch
 fi
 
 # 4. SmolLM2-135M-Instruct, a real pretrained model offline (scripts/smollm2.sh, docs/real-model.md). Nothing

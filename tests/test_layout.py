@@ -1,4 +1,5 @@
-"""The package's floors: no import cycle, each layer imports only the layers below it."""
+"""The packages' floors: no import cycle, each layer imports only the layers below it; the lab (palu_lab) sits
+on top of the plugin (palu_trainer), which never imports it."""
 
 import ast
 import os
@@ -6,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import palu_lab
 import palu_trainer
 
 PACKAGE_DIR = Path(palu_trainer.__file__).parent
-# Each layer may import itself and the layers listed for it; `experiments` sits on top of everything.
+LAB_DIR = Path(palu_lab.__file__).parent
+# Each layer may import itself and the layers listed for it; `experiments` sits on top of the plugin, and the
+# lab on top of everything.
 ALLOWED = {
     "method": {"method"},
     "spans": {"spans"},
@@ -17,24 +21,34 @@ ALLOWED = {
     "framework": {"framework", "method", "spans", "benchmarks"},
     "experiments": {"experiments", "framework", "method", "spans", "benchmarks"},
 }
+ALLOWED["lab"] = set(ALLOWED) | {"lab"}
 FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")
-# Scripts that other modules must not import: what they share is in experiments.miniature,
+# Scripts that other modules must not import: what they share is in palu_lab.miniature,
 # experiments.benchmark_facts and experiments.ablation_axes.
 SCRIPTS = (
-    "palu_trainer.experiments.demo",
-    "palu_trainer.experiments.ablation",
-    "palu_trainer.experiments.convergence",
+    "palu_lab.demo",
+    "palu_lab.ablation",
+    "palu_lab.convergence",
 )
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    root = LAB_DIR if path.is_relative_to(LAB_DIR) else PACKAGE_DIR
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def layer(module: str) -> str | None:
+    if module.split(".")[0] == "palu_lab":
+        return "lab"
+    return module.split(".")[1] if module.count(".") else None
+
+
 def package_imports() -> dict[str, set[str]]:
-    """Every palu_trainer module -> the palu_trainer modules it imports anywhere (functions included)."""
-    modules = {module_name(path): path for path in PACKAGE_DIR.rglob("*.py")}
+    """Every palu_trainer and palu_lab module -> the modules of both it imports anywhere (functions
+    included)."""
+    paths = [*PACKAGE_DIR.rglob("*.py"), *LAB_DIR.rglob("*.py")]
+    modules = {module_name(path): path for path in paths}
     graph = {}
     for name, path in modules.items():
         targets = set()
@@ -74,6 +88,7 @@ def test_the_import_graph_is_read_from_the_sources():
     graph = package_imports()
     assert "palu_trainer.framework.checkout" in graph["palu_trainer.framework.datasets"]
     assert "palu_trainer.experiments.report" in graph["palu_trainer.experiments.recipe"]
+    assert "palu_lab.miniature" in graph["palu_lab.demo"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -84,12 +99,10 @@ def test_no_import_cycle_in_the_package():
 def test_each_layer_imports_only_the_layers_below():
     offences = []
     for module, targets in package_imports().items():
-        layer = module.split(".")[1] if module.count(".") else None
-        if layer not in ALLOWED:
+        if layer(module) not in ALLOWED:
             continue
         for target in targets:
-            target_layer = target.split(".")[1] if target.count(".") else None
-            if target_layer not in ALLOWED[layer]:
+            if layer(target) not in ALLOWED[layer(module)]:
                 offences.append(f"{module} -> {target}")
     assert offences == []
 

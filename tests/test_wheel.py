@@ -77,6 +77,20 @@ def test_the_wheel_carries_the_configs_and_span_files_and_no_link(wheel):
     assert shipped == (ROOT / "span_annotations" / "tofu_forget01.jsonl").read_bytes()
 
 
+def test_the_wheel_holds_the_plugin_and_not_the_lab(wheel):
+    """The lab (lab/palu_lab: the miniature, the real-model experiments, the synthetic benchmarks) stays out
+    of what users install; the line count of the wheel's Python is printed for the layout's budget."""
+    with zipfile.ZipFile(wheel) as archive:
+        python = {name: archive.read(name).decode() for name in archive.namelist() if name.endswith(".py")}
+    lab_modules = {path.stem for path in (ROOT / "lab" / "palu_lab").rglob("*.py")} - {"__init__"}
+    assert {name.split("/")[0] for name in python} == {"palu_trainer", "hydra_plugins"}
+    assert [name for name in python if Path(name).stem in lab_modules] == []
+    assert "palu_trainer/method/objective.py" in python and "palu_trainer/experiments/recipe.py" in python
+    print(
+        f"wheel: {len(python)} Python files, {sum(len(text.splitlines()) for text in python.values())} lines"
+    )
+
+
 def test_palu_train_eval_and_annotate_from_the_installed_wheel(
     installed, tmp_path, tiny_model_dir, small_tofu_mirror, tofu_dir
 ):

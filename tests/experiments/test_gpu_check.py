@@ -43,8 +43,8 @@ def test_missing_tofu_configs_are_named(tmp_path):
 def test_a_failed_run_makes_the_check_fail(tofu_dir, tmp_path, monkeypatch, capsys):
     """Every launch exits 1: each run and the evaluation are reported, and the check exits 1."""
     monkeypatch.setattr(gpu_check, "make_model", lambda *args: 0)
-    monkeypatch.setattr(gpu_check, "run_logged", lambda command, log, env: (1, 0.5))
-    monkeypatch.setattr(gpu_check, "log_tail", lambda path: "(log)")
+    monkeypatch.setattr(gpu_check.launch, "run_logged", lambda command, log, env: (1, 0.5))
+    monkeypatch.setattr(gpu_check.launch, "log_tail", lambda path: "(log)")
     with pytest.raises(SystemExit) as stop:
         gpu_check.main(["--cpu", "--tofu-dir", str(tofu_dir), "--out", str(tmp_path)])
     assert stop.value.code == 1

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from palu_trainer.benchmarks.muse_subset import MuseBenchmark
+from palu_lab import demo, miniature
+from palu_lab.benchmarks.muse_subset import MuseBenchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.experiments import demo, methods, miniature, recipe
+from palu_trainer.experiments import methods, recipe
 from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
 from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.spans.agreement import Agreement
@@ -96,7 +97,11 @@ def test_bench_times_a_new_table_entry(with_wga, tmp_path):
 
 def method_lists_outside_the_table() -> list[str]:
     """Each tuple, list, set or dict literal outside methods.py that names two or more table methods."""
-    sources = [*(ROOT / "src" / "palu_trainer").rglob("*.py"), *(ROOT / "perf").glob("*.py")]
+    sources = [
+        *(ROOT / "src" / "palu_trainer").rglob("*.py"),
+        *(ROOT / "lab").rglob("*.py"),
+        *(ROOT / "perf").glob("*.py"),
+    ]
     found = []
     for path in sources:
         if path.name == "methods.py":

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from palu_trainer.framework.accelerate_config import shared_memory_op_dir, write_accelerate_config
+from palu_trainer.framework.launch import shared_memory_op_dir, write_accelerate_config
 from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
 from palu_trainer.method.positions import label_positions
 from palu_trainer.method.reference_cache import count_positions
@@ -92,7 +92,7 @@ def zero3_config(tmp_path_factory):
     """The ZeRO-3 launch config, once DeepSpeed's CPU shared-memory op is built (`make setup` builds it; a
     fresh venv builds it here, outside the launches' timeouts). A build that never ends is a lock left by
     a killed one, on which every launch would wait: named, rather than three timeouts."""
-    build = [sys.executable, "-m", "palu_trainer.framework.accelerate_config"]
+    build = [sys.executable, "-m", "palu_trainer.framework.launch"]
     try:
         subprocess.run(build, check=True, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:

@@ -195,7 +195,7 @@ def test_the_smollm2_preset_without_the_converted_folder_says_make_smollm2(
 
 
 def test_the_smollm2_preset_loads_the_real_tied_weights(bench):
-    from palu_trainer.experiments.smollm2 import default_dir, read_marker
+    from palu_lab.smollm2 import default_dir, read_marker
 
     if read_marker(default_dir()) is None:
         unavailable(f"SmolLM2-135M-Instruct is not converted at {default_dir()}: run `make smollm2`")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from palu_trainer.benchmarks.synthetic_news import synthetic_news
+from palu_lab.benchmarks.synthetic_news import synthetic_news
 from palu_trainer.spans.agreement import word_agreement
 from palu_trainer.spans.annotator import Background, annotate_text, annotate_texts
 from palu_trainer.spans.cli import main

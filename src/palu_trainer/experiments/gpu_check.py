@@ -25,7 +25,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -36,13 +35,12 @@ from safetensors import safe_open
 from palu_trainer.benchmarks.hf_dir import read_configs, read_jsonl, write_configs_readme, write_jsonl
 from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
-from palu_trainer.experiments.recipe import flash_attention_problem, free_port
+from palu_trainer.experiments.recipe import flash_attention_problem
 from palu_trainer.experiments.tiny import save_tiny_model
-from palu_trainer.framework.accelerate_config import write_accelerate_config
+from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
 from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, read_run_stats
 
-BIN = Path(sys.executable).parent
 VOCAB_SIZE = 32000  # Llama-2's |V|
 TRAINED_VOCAB = 8192  # merges learnt from TOFU's text; the rest of the 32000 are unused tokens
 SPLITS = TOFU.splits["01"]
@@ -126,7 +124,9 @@ def requirement_problems(tofu_dir: Path, cpu: bool, gpus: int) -> list[str]:
         problems.append(f"{spans} not found: PALU and TPO read forget01's span annotations from it")
     tools = ["palu-train", "palu-eval"] + (["accelerate"] if gpus >= 2 and not cpu else [])
     problems.extend(
-        f"{BIN / tool} not found: run `make setup`" for tool in tools if not (BIN / tool).is_file()
+        f"{launch.BIN / tool} not found: run `make setup`"
+        for tool in tools
+        if not (launch.BIN / tool).is_file()
     )
     if not cpu and gpus > 0:
         try:
@@ -231,7 +231,7 @@ def train_command(
 def eval_command(out: Path, size: CheckSize, cpu: bool, attention: str) -> list[str]:
     forget, _, holdout = SPLITS
     return [
-        str(BIN / "palu-eval"),
+        *launch.command("palu-eval"),
         f"experiment={TOFU.tiny_eval_experiment}",
         *model_overrides(out / "runs" / slug(EVALUATED)),
         f"forget_split={forget}",
@@ -259,20 +259,6 @@ def offline_environment(tofu_mirror: Path, out: Path, omp_threads: str) -> dict:
         "HF_DATASETS_CACHE": str(out / "datasets-cache"),
         "TOKENIZERS_PARALLELISM": "false",
     }
-
-
-def run_logged(command: list[str], log_path: Path, env: dict) -> tuple[int, float]:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        log.write(shlex.join(command) + "\n\n")
-        log.flush()
-        result = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return result.returncode, time.monotonic() - started
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
 
 
 def training_result(label: str, run_dir: Path, steps: int) -> dict:
@@ -372,11 +358,8 @@ def main(argv=None) -> None:
     out = args.out.resolve()
     for part in ("model", "tofu", "runs", "eval", "logs", "accelerate", "datasets-cache"):
         shutil.rmtree(out / part, ignore_errors=True)
-    launcher = [str(BIN / "palu-train")]
-    if gpus >= 2:
-        config = write_accelerate_config(out / "accelerate", gpus, bf16=True)
-        launcher = [str(BIN / "accelerate"), "launch", "--config_file", str(config)]
-        launcher += ["--main_process_port", str(free_port()), str(BIN / "palu-train")]
+    config = launch.write_accelerate_config(out / "accelerate", gpus, bf16=True) if gpus >= 2 else None
+    launcher = launch.command("palu-train", config)
     device = "CPU (+runtime=cpu, fp32)" if args.cpu else f"{gpus} x {torch.cuda.get_device_name(0)} (bf16)"
     train = {
         label: train_command(label, out / "model", out, size, args.cpu, attention, launcher)
@@ -407,7 +390,7 @@ def main(argv=None) -> None:
     for label, command in train.items():
         print(f"== {label} …", flush=True)
         log = out / "logs" / f"{slug(label)}.log"
-        code, seconds = run_logged(command, log, env)
+        code, seconds = launch.run_logged(command, log, env)
         result = (
             {"error": f"exit status {code}"}
             if code
@@ -416,7 +399,7 @@ def main(argv=None) -> None:
         result["wall_s"] = seconds
         results[label] = result
         if result.get("error"):
-            print(f"   FAILED ({result['error']}); {log}:\n{log_tail(log)}", flush=True)
+            print(f"   FAILED ({result['error']}); {log}:\n{launch.log_tail(log)}", flush=True)
 
     print(f"== palu-eval on {EVALUATED} …", flush=True)
     eval_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
@@ -426,7 +409,7 @@ def main(argv=None) -> None:
     if results[EVALUATED].get("error"):
         eval_result = {"error": f"{EVALUATED} failed: nothing to evaluate"}
     else:
-        code, seconds = run_logged(evaluation, log, eval_env)
+        code, seconds = launch.run_logged(evaluation, log, eval_env)
         eval_file = out / "eval" / "TOFU_EVAL.json"
         if code:
             eval_result = {"error": f"exit status {code}"}
@@ -440,7 +423,7 @@ def main(argv=None) -> None:
             if absent:
                 eval_result["error"] = f"no value for {', '.join(absent)}"
         if eval_result.get("error"):
-            print(f"   FAILED ({eval_result['error']}); {log}:\n{log_tail(log)}", flush=True)
+            print(f"   FAILED ({eval_result['error']}); {log}:\n{launch.log_tail(log)}", flush=True)
 
     print(f"\ngpu-check: {device}, {attention}, {parameters / 1e6:.1f}M parameters, |V|={VOCAB_SIZE}")
     print(format_table(results, args.cpu))

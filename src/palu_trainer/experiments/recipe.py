@@ -15,7 +15,6 @@ import importlib.util
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from palu_trainer.experiments import report
 from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES
 from palu_trainer.experiments.benchmark_facts import BENCHMARKS, MUSE, MUSE_LOADS, TOFU
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
-from palu_trainer.framework.accelerate_config import write_accelerate_config
+from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
 
 GLOBAL_BATCH = 32
@@ -258,15 +257,9 @@ class MuseRecipeSettings(RecipeSettings):
         )
 
 
-BIN = Path(sys.executable).parent
-
-
-def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Path, port: int) -> list[str]:
+def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Path) -> list[str]:
     """One process with palu-train, or the framework's accelerate + ZeRO-3 launch on several GPUs."""
-    launcher = [str(BIN / "palu-train")]
-    if settings.gpus > 1:
-        accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(accelerate_config)]
-        launcher = [*accelerate, "--main_process_port", str(port), *launcher]
+    launcher = launch.command("palu-train", accelerate_config if settings.gpus > 1 else None)
     accumulation = max(1, GLOBAL_BATCH // (PER_DEVICE_BATCH * settings.gpus))
     command = [
         *launcher,
@@ -296,7 +289,7 @@ def eval_command(settings: RecipeSettings, method: str) -> list[str]:
     saved = f"saves/unlearn/{settings.task_name(method)}"
     eval_experiment, *data = settings.eval_overrides()
     return [
-        str(BIN / "palu-eval"),
+        *launch.command("palu-eval"),
         eval_experiment,
         f"model={settings.model}",
         *data,
@@ -461,11 +454,10 @@ def ablation_runs(settings: RecipeSettings, axis: str) -> list[tuple[str, Recipe
 
 
 def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
-    port = free_port()
     steps = []
     for method, settings in runs:
         title = settings.task_name(method)
-        steps.append((f"{title}: unlearn", unlearn_command(settings, method, accelerate_config, port)))
+        steps.append((f"{title}: unlearn", unlearn_command(settings, method, accelerate_config)))
         steps.append((f"{title}: {settings.facts.name} evaluation", eval_command(settings, method)))
     return steps
 
@@ -504,12 +496,6 @@ def write_comparison(
         ],
         scorecard=scorecard,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main(argv=None) -> None:
@@ -612,7 +598,7 @@ def main(argv=None) -> None:
         )
         sys.exit(2)
     if gpus > 1:
-        write_accelerate_config(accelerate_dir, gpus)
+        launch.write_accelerate_config(accelerate_dir, gpus)
     wall_times = {}
     for title, command in steps:
         started = time.monotonic()

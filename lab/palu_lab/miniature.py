@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -22,15 +20,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from palu_lab import smollm2
+from palu_lab.benchmarks.muse_subset import make_muse_subset
+from palu_lab.benchmarks.synthetic_tofu import synthetic_benchmark
+from palu_lab.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
 from palu_trainer.benchmarks.hf_dir import read_jsonl
-from palu_trainer.benchmarks.muse_subset import make_muse_subset
-from palu_trainer.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
-from palu_trainer.experiments import report, smollm2
+from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
 from palu_trainer.experiments.methods import METHODS
 from palu_trainer.experiments.tiny import save_tiny_model
+from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
 
 
@@ -206,7 +206,6 @@ MUSE_SIZES = {
         unlearn_learning_rates=(1e-3,),
     ),
 }
-FRAMEWORK_ENTRY = "from palu_trainer.framework.cli import {0}_main; {0}_main()"
 CPU_TRAINING = [
     "+runtime=cpu",
     "trainer.args.gradient_accumulation_steps=1",
@@ -265,18 +264,13 @@ def benchmark_texts(data_dir: Path) -> list[str]:
 
 
 def run_framework(entry: str, overrides: list[str], log_path: Path, env: dict) -> float:
-    """Run open-unlearning's train.py or eval.py (`entry` = train | eval) in a subprocess; return seconds."""
-    command = [sys.executable, "-c", FRAMEWORK_ENTRY.format(entry), *overrides]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with log_path.open("w") as log:
-        log.write(" ".join(command) + "\n\n")
-        log.flush()
-        result = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent)
-    if result.returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(True)[-40:])
-        raise RuntimeError(f"{entry} failed (exit {result.returncode}); log {log_path}:\n{tail}")
-    return time.monotonic() - start
+    """Run `palu-train` or `palu-eval` (`entry` = train | eval) in a subprocess; return seconds."""
+    code, seconds = launch.run_logged(
+        [*launch.command(f"palu-{entry}"), *overrides], log_path, env, log_path.parent
+    )
+    if code != 0:
+        raise RuntimeError(f"{entry} failed (exit {code}); log {log_path}:\n{launch.log_tail(log_path, 40)}")
+    return seconds
 
 
 def model_paths(model_dir: Path) -> list[str]:
@@ -681,7 +675,7 @@ def tofu_miniature(args: argparse.Namespace, progress: Progress, pool) -> Miniat
         )
     if args.data == "synthetic":
         notes.append(
-            "real_authors / world_facts are synthetic stand-ins (palu_trainer.benchmarks.synthetic_tofu)."
+            "real_authors / world_facts are synthetic stand-ins (palu_lab.benchmarks.synthetic_tofu)."
         )
     stages = Stages(benchmark, size, args.run_dir, args.results / ".cache", progress)
     return finetune_references(stages, model_dir, benchmark.retain_split, vocab_size, pool, notes)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.experiments import converged, miniature
-from palu_trainer.experiments.converged import (
+from palu_lab import converged, miniature
+from palu_lab.converged import (
     CLIFF_VARIANTS,
     CONVERGED_KNOB_VALUES,
     CURVE_METRICS,
@@ -25,8 +24,9 @@ from palu_trainer.experiments.converged import (
     pareto_front,
     tuning_runs,
 )
-from palu_trainer.experiments.miniature import TOFU_SIZES
-from palu_trainer.experiments.real_model import Run, fq_ladder
+from palu_lab.miniature import TOFU_SIZES
+from palu_lab.real_model import Run, fq_ladder
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments.report import EvaluatedModel
 
 SIZE = TOFU_SIZES["smollm2-converged"]

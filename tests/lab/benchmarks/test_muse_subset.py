@@ -3,10 +3,10 @@
 import pytest
 from datasets import load_dataset
 
-from palu_trainer.benchmarks.muse_subset import SEPARATOR, make_muse_subset, select_articles
+from palu_lab.benchmarks.muse_subset import SEPARATOR, make_muse_subset, select_articles
 from palu_trainer.spans.format import read_annotations, validate_annotations
 
-from ..conftest import read_jsonl
+from ...conftest import read_jsonl
 
 
 @pytest.fixture(scope="module")

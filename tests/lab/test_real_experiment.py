@@ -7,13 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from palu_trainer.benchmarks.hf_dir import read_jsonl
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
-from palu_trainer.benchmarks.tofu_subset import make_tofu_subset
-from palu_trainer.experiments import demo, miniature, real_model
-from palu_trainer.experiments.methods import REAL_MODEL_METHODS
-from palu_trainer.experiments.miniature import TOFU_SIZES
-from palu_trainer.experiments.real_model import (
+from palu_lab import demo, miniature, real_model
+from palu_lab.benchmarks.tofu_subset import make_tofu_subset
+from palu_lab.miniature import TOFU_SIZES
+from palu_lab.real_model import (
     PALU_GPT4O,
     PALU_REFERENCE_MODEL,
     REFERENCE_MODEL,
@@ -27,6 +24,9 @@ from palu_trainer.experiments.real_model import (
     seed_runs,
     tuning_runs,
 )
+from palu_trainer.benchmarks.hf_dir import read_jsonl
+from palu_trainer.benchmarks.tofu_format import TofuBenchmark
+from palu_trainer.experiments.methods import REAL_MODEL_METHODS
 from palu_trainer.experiments.report import EvaluatedModel
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.spans.format import read_annotations, validate_annotations

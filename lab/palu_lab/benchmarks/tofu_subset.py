@@ -124,7 +124,7 @@ def make_tofu_subset(
         shutil.copyfile(source_dir / f"{name}.json", data_dir / f"{name}.json")
         configs[name] = []
     write_readme(
-        data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_trainer.benchmarks.tofu_subset)."
+        data_dir, list(configs), f"Subset of TOFU from {source_dir} (palu_lab.benchmarks.tofu_subset)."
     )
     write_idk_answers(data_dir)
     answers = [row["answer"] for row in forget05]

@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.slow
 def test_fast_muse_demo_unlearns_a_model_that_memorised_news_articles(tmp_path, muse_news_dir):
     command = [
-        *(sys.executable, "-m", "palu_trainer.experiments.demo", "--bench", "muse", "--fast"),
+        *(sys.executable, "-m", "palu_lab.demo", "--bench", "muse", "--fast"),
         *("--muse-dir", str(muse_news_dir), "--results", str(tmp_path)),
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=2400)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from palu_trainer.experiments import ablation, convergence
+from palu_lab import ablation, convergence
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_fast_demo_produces_the_report_and_a_memorising_original(fast_results):
     command = [
         sys.executable,
         "-m",
-        "palu_trainer.experiments.demo",
+        "palu_lab.demo",
         "--fast",
         "--results",
         str(fast_results),

@@ -12,9 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import CONVERGENCE_METHODS, METHODS
-from palu_trainer.experiments.miniature import (
+from palu_lab.miniature import (
     TOFU_SIZES,
     add_arguments,
     epochs_of,
@@ -22,6 +20,8 @@ from palu_trainer.experiments.miniature import (
     start_run,
     tofu_miniature,
 )
+from palu_trainer.experiments import report
+from palu_trainer.experiments.methods import CONVERGENCE_METHODS, METHODS
 
 PER_EPOCH_CHECKPOINTS = ("trainer.args.save_strategy=epoch", "trainer.args.save_only_model=true")
 
@@ -124,7 +124,7 @@ def run_convergence(args, methods: list[str]) -> dict[str, Path]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m palu_trainer.experiments.convergence", description=__doc__.splitlines()[0]
+        prog="python -m palu_lab.convergence", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(CONVERGENCE_METHODS))

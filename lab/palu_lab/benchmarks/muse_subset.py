@@ -26,8 +26,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from palu_lab.benchmarks.synthetic_news import synthetic_news
 from palu_trainer.benchmarks.hf_dir import read_jsonl, write_configs_readme, write_jsonl
-from palu_trainer.benchmarks.synthetic_news import synthetic_news
 from palu_trainer.spans.agreement import Agreement, word_agreement
 from palu_trainer.spans.annotator import Background, annotate_texts
 from palu_trainer.spans.format import write_annotations
@@ -189,7 +189,7 @@ def _write_hub_readme(data_dir: Path, splits: dict, source_dir: Path, kept: list
         for config, config_splits in splits.items()
     ]
     description = (
-        f"Subset of MUSE-News from {source_dir} (palu_trainer.benchmarks.muse_subset): raw/forget articles "
+        f"Subset of MUSE-News from {source_dir} (palu_lab.benchmarks.muse_subset): raw/forget articles "
         f"{kept} of the source and its evaluation rows whose text lies in them."
     )
     write_configs_readme(data_dir, configs, description)

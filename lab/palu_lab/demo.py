@@ -1,10 +1,10 @@
 """`make demo`: an offline miniature of the paper's TOFU experiment, through open-unlearning's entry points.
 
-Stages: the miniature (palu_trainer.experiments.miniature: data, tokenizer and tiny Llama from scratch,
+Stages: the miniature (palu_lab.miniature: data, tokenizer and tiny Llama from scratch,
 Original and Retain finetuned and evaluated with the stock evaluator) → unlearn Original with every method
 on a shared learning-rate grid, evaluating each → `summary.md`, `summary.json` and a plot
 (palu_trainer.experiments.report). `--bench muse`: the same on a MUSE-News subset. `--model smollm2`: the
-real-model experiment on real TOFU, with seeds (palu_trainer.experiments.real_model).
+real-model experiment on real TOFU, with seeds (palu_lab.real_model).
 """
 
 import argparse
@@ -15,12 +15,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from palu_trainer.benchmarks.muse_subset import SYNTHETIC_ARTICLES
-from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
-from palu_trainer.experiments import report
-from palu_trainer.experiments.benchmark_facts import BENCHMARKS
-from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
-from palu_trainer.experiments.miniature import (
+from palu_lab.benchmarks.muse_subset import SYNTHETIC_ARTICLES
+from palu_lab.miniature import (
     MUSE_SIZES,
     TOFU_SIZES,
     Miniature,
@@ -34,6 +30,10 @@ from palu_trainer.experiments.miniature import (
     tofu_miniature,
     unlearning_run_name,
 )
+from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
+from palu_trainer.experiments import report
+from palu_trainer.experiments.benchmark_facts import BENCHMARKS
+from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.local_loss import resolve_top_k
@@ -176,7 +176,7 @@ def run_muse(
         f"Data: {benchmark.description}. Rows: "
         + ", ".join(f"{name} {count}" for name, count in benchmark.rows.items())
         + ". KnowMem pairs are also rows of their side's corpus (a model trained from scratch has never "
-        "seen a question otherwise; palu_trainer.benchmarks.muse_subset).",
+        "seen a question otherwise; palu_lab.benchmarks.muse_subset).",
         f"{model_note(size, mini.vocab_size)}, finetuned on each corpus row as one sequence (the framework's "
         f"CompletionDataset); every method unlearns Original (forget and retain in the stock "
         f"PretrainingDataset's {size.max_length}-token chunks) for "
@@ -185,7 +185,7 @@ def run_muse(
         tuning_budget(methods, size),
         "PALU's spans: the annotator's raw-text mode on the subset's forget rows (background: "
         f"sust/forget_2); against the gold spans of {SYNTHETIC_ARTICLES} held-out synthetic news articles "
-        f"(palu_trainer.benchmarks.synthetic_news) its word precision / recall / F1 are "
+        f"(palu_lab.benchmarks.synthetic_news) its word precision / recall / F1 are "
         f"{agreement.precision:.3f} / {agreement.recall:.3f} / {agreement.f1:.3f}.",
         "PrivLeak is relative to Retain's min-k% AUC; Retain's own uses the stock reference AUC of 0.5.",
     ]
@@ -206,9 +206,7 @@ def run_muse(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m palu_trainer.experiments.demo", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m palu_lab.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--bench", choices=list(BENCHMARKS), default="tofu")
     add_arguments(parser)
     parser.add_argument(
@@ -223,7 +221,7 @@ def main(argv=None) -> None:
     args = parse_arguments(parser, argv, "")
     methods = tuple(args.methods) if args.methods else None
     if args.model != "tiny":
-        from palu_trainer.experiments import real_model
+        from palu_lab import real_model
 
         real_model.run(args, methods)
     elif args.bench == "muse":

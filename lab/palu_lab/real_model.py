@@ -25,9 +25,7 @@ from pathlib import Path
 import numpy
 from scipy.stats import ks_2samp
 
-from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import REAL_MODEL_BASELINES, REAL_MODEL_METHODS, tuning_grid
-from palu_trainer.experiments.miniature import (
+from palu_lab.miniature import (
     TOFU_SIZES,
     Miniature,
     RealTofuSize,
@@ -35,6 +33,8 @@ from palu_trainer.experiments.miniature import (
     tofu_miniature,
     unlearning_run_name,
 )
+from palu_trainer.experiments import report
+from palu_trainer.experiments.methods import REAL_MODEL_BASELINES, REAL_MODEL_METHODS, tuning_grid
 
 GPT4O = "gpt4o"  # the label of GPT-4o's span annotations in the subset (`span_annotations/gpt4o.jsonl`)
 PALU_GPT4O = "PALU (GPT-4o spans)"

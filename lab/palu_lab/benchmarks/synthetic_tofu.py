@@ -451,7 +451,7 @@ def generate(
     write_readme(
         directory,
         list(configs),
-        f"Synthetic fictitious authors (palu_trainer.benchmarks.synthetic_tofu, seed {seed}): {num_authors} "
+        f"Synthetic fictitious authors (palu_lab.benchmarks.synthetic_tofu, seed {seed}): {num_authors} "
         "trained "
         f"authors x {len(TEMPLATES)} questions. real_authors/world_facts are synthetic stand-ins.",
     )

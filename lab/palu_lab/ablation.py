@@ -18,15 +18,15 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from palu_trainer.experiments import report
-from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES, Axis
-from palu_trainer.experiments.miniature import (
+from palu_lab.miniature import (
     TOFU_SIZES,
     add_arguments,
     parse_arguments,
     start_run,
     tofu_miniature,
 )
+from palu_trainer.experiments import report
+from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES, Axis
 from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.local_loss import resolve_top_k
 
@@ -197,9 +197,7 @@ def parse_point(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m palu_trainer.experiments.ablation", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m palu_lab.ablation", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--axes", nargs="+", choices=list(AXES), default=list(AXES))
     parser.add_argument("--lr", type=float, default=1e-3, help="PALU's learning rate at every point")

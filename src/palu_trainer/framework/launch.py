@@ -1,8 +1,14 @@
-"""The framework's accelerate and DeepSpeed ZeRO-3 configs, written where a launch from any folder finds
-them; DeepSpeed's CPU shared-memory op, built before a launch needs it
-(`python -m palu_trainer.framework.accelerate_config`, which `make setup` runs)."""
+"""Launching the framework's runs, the one way the recipes and the lab do it: `palu-train` or `palu-eval` in
+a subprocess, alone or under accelerate with the framework's ZeRO-3 configs (written where a launch from any
+folder finds them), logged to a file; DeepSpeed's CPU shared-memory op, built before a launch needs it
+(`python -m palu_trainer.framework.launch`, which `make setup` runs)."""
 
 import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -27,6 +33,39 @@ def write_accelerate_config(directory: Path, num_processes: int, bf16: bool | st
     accelerate["num_processes"] = num_processes
     (directory / "accelerate.yaml").write_text(yaml.safe_dump(accelerate))
     return directory / "accelerate.yaml"
+
+
+BIN = Path(sys.executable).parent  # where the venv has palu-train, palu-eval and accelerate
+
+
+def command(tool: str, accelerate_config: Path | None = None) -> list[str]:
+    """`tool` (palu-train, palu-eval) as a command line, under `accelerate launch` with that config (one
+    process per GPU it names) when given."""
+    if accelerate_config is None:
+        return [str(BIN / tool)]
+    accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(accelerate_config)]
+    return [*accelerate, "--main_process_port", str(free_port()), str(BIN / tool)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_logged(argv: list[str], log_path: Path, env: dict, cwd: Path | None = None) -> tuple[int, float]:
+    """Run `argv` with its output in `log_path` (the command line first); (exit status, seconds)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        log.write(shlex.join(argv) + "\n\n")
+        log.flush()
+        result = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    return result.returncode, time.monotonic() - started
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
 
 
 def shared_memory_op_dir() -> Path | None:

@@ -5,8 +5,8 @@ import json
 import datasets
 import pytest
 
+from palu_lab.benchmarks.synthetic_tofu import TEMPLATES, generate, render, revealed_facts
 from palu_trainer.benchmarks.hf_dir import read_configs
-from palu_trainer.benchmarks.synthetic_tofu import TEMPLATES, generate, render, revealed_facts
 from palu_trainer.spans.format import read_annotations, validate_annotations
 
 # Every config the stock TOFU evaluation and finetune/unlearn experiments load for forget10.

@@ -1,5 +1,5 @@
 """The converged real-model experiment (issue 30): `make converged` (`python -m
-palu_trainer.experiments.converged --data tofu --tofu-dir ...`).
+palu_lab.converged --data tofu --tofu-dir ...`).
 
 The real-model experiment's data, model, Original and Retain (experiments/real_model.py, cached), at the
 paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's warmup_ratio 0.1).
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy
 
-from palu_trainer.experiments import real_model, report
-from palu_trainer.experiments.methods import CONVERGED_KNOB_VALUES, METHODS, REAL_MODEL_METHODS
-from palu_trainer.experiments.miniature import (
+from palu_lab import real_model
+from palu_lab.miniature import (
     SMOLLM2,
     TOFU_SIZES,
     Miniature,
@@ -44,7 +43,9 @@ from palu_trainer.experiments.miniature import (
     start_run,
     tofu_miniature,
 )
-from palu_trainer.experiments.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
+from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
+from palu_trainer.experiments import report
+from palu_trainer.experiments.methods import CONVERGED_KNOB_VALUES, METHODS, REAL_MODEL_METHODS
 from palu_trainer.framework.checkout import PROJECT_ROOT
 
 # The learning-rate grid, the same for every method. Pilot (issue 30's table, 8a3b9e1, seed 0, 10 epochs):
@@ -655,9 +656,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m palu_trainer.experiments.converged", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m palu_lab.converged", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(model="smollm2", data="tofu")  # the real model on real TOFU, nothing else
     parser.add_argument(

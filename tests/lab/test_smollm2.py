@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from palu_trainer.experiments import smollm2
-from palu_trainer.experiments.smollm2 import SetupProblem
+from palu_lab import smollm2
+from palu_lab.smollm2 import SetupProblem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,15 +81,14 @@ def test_a_folder_that_is_not_a_conversion_is_never_replaced(tmp_path, monkeypat
 def test_check_of_a_folder_never_converted_exits_with_the_command_to_run(tmp_path):
     environment = {**os.environ, smollm2.DIR_VARIABLE: str(tmp_path / "absent")}
     result = subprocess.run(
-        [sys.executable, "-m", "palu_trainer.experiments.smollm2", "check"],
+        [sys.executable, "-m", "palu_lab.smollm2", "check"],
         env=environment,
         capture_output=True,
         text=True,
     )
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        f"smollm2: no converted SmolLM2 at {tmp_path / 'absent'}: run python -m "
-        "palu_trainer.experiments.smollm2 convert"
+        f"smollm2: no converted SmolLM2 at {tmp_path / 'absent'}: run python -m palu_lab.smollm2 convert"
     )
 
 

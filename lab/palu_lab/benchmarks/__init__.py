@@ -1,0 +1,1 @@
+"""Synthetic and subset benchmarks in Hugging Face dataset folders, for the miniature."""
