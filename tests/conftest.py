@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,10 +26,16 @@ CHAT_TEMPLATE = (
 
 
 def pytest_collection_modifyitems(items):
-    """`needs_shared` follows the fixtures: a test reads ../shared directly or through another fixture."""
+    """`needs_shared` follows the fixtures: a test reads ../shared directly or through another fixture.
+
+    Files with the most `slow` tests come first, each file's tests in their order: `make test` hands whole
+    files to its two workers in this order (`--dist loadfile`), so the long files start early and the short
+    ones fill in, rather than one worker finishing a long file alone at the end."""
     for item in items:
         if "shared_dir" in item.fixturenames:
             item.add_marker(pytest.mark.needs_shared)
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: file order and test order otherwise kept
 
 
 def unavailable(message: str):
