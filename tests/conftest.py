@@ -1,7 +1,7 @@
 import argparse
 import json
 import os
-from collections import Counter
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,14 +28,24 @@ CHAT_TEMPLATE = (
 def pytest_collection_modifyitems(items):
     """`needs_shared` follows the fixtures: a test reads ../shared directly or through another fixture.
 
-    Files with the most `slow` tests come first, each file's tests in their order: `make test` hands whole
-    files to its two workers in this order (`--dist loadfile`), so the long files start early and the short
-    ones fill in, rather than one worker finishing a long file alone at the end."""
+    The files with the most minutes of `slow` tests come first, each file's tests in their order: `make test`
+    hands whole files to its two workers in this order (`--dist loadfile`), so the long files start early
+    and the short ones fill in, rather than one worker finishing a long file alone at the end."""
     for item in items:
         if "shared_dir" in item.fixturenames:
             item.add_marker(pytest.mark.needs_shared)
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: file order and test order otherwise kept
+    minutes = defaultdict(float)
+    for item in items:
+        minutes[item.path] += slow_minutes(item)
+    items.sort(key=lambda item: -minutes[item.path])  # stable: file order and test order otherwise kept
+
+
+def slow_minutes(item) -> float:
+    """About how long a `slow` test takes in `make test` on 2 cores, fixtures included: its marker's
+    `minutes` (`@pytest.mark.slow(minutes=5)`, the tests of several minutes), else half a minute; 0 for the
+    rest."""
+    marker = item.get_closest_marker("slow")
+    return 0.0 if marker is None else marker.kwargs.get("minutes", 0.5)
 
 
 def unavailable(message: str):

@@ -91,6 +91,7 @@ def test_the_wheel_holds_the_plugin_and_not_the_lab(wheel):
     )
 
 
+@pytest.mark.slow(minutes=4.5)  # with building and installing the wheel
 def test_palu_train_eval_and_annotate_from_the_installed_wheel(
     installed, tmp_path, tiny_model_dir, small_tofu_mirror, tofu_dir
 ):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=5)
 def test_fast_muse_demo_unlearns_a_model_that_memorised_news_articles(tmp_path, muse_news_dir):
     command = [
         *(sys.executable, "-m", "palu_lab.demo", "--bench", "muse", "--fast"),

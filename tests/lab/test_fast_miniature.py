@@ -13,7 +13,7 @@ import pytest
 from palu_lab import ablation, convergence
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=5)  # with Original and Retain
 def test_fast_demo_produces_the_report_and_a_memorising_original(fast_results):
     command = [
         sys.executable,
@@ -50,7 +50,7 @@ def test_fast_demo_produces_the_report_and_a_memorising_original(fast_results):
     assert "## The paper's Table 2: membership inference AUCs" in table and "| needs hub |" in table
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2)
 def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
     ablation.main([
         "--fast", "--results", str(fast_results), "--jobs", "2", "--axes", "k",
@@ -88,7 +88,7 @@ def test_two_point_sweep_writes_the_chart_table_and_numbers(fast_results):
     assert (run_dir / "k.png").stat().st_size > 20_000
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2.5)
 def test_two_epoch_convergence_evaluates_every_checkpoint_then_removes_it(fast_results):
     convergence.main(["--fast", "--results", str(fast_results), "--jobs", "2", "--epochs", "2"])
     run_dir = fast_results / "convergence-fast"

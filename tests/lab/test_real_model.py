@@ -172,7 +172,7 @@ def test_the_converted_folder_is_tied_with_chatml_tokens(smollm2_dir):
     assert tokenizer.apply_chat_template(chat) == tokenizer(tagged)["input_ids"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=5)  # with the fixture's run
 def test_palu_trains_the_real_model_on_real_tofu_rows(fast_run, smollm2_dir):
     run, output = fast_run["run"], fast_run["logs"]["train"]
     result = training_result("PALU", run, STEPS)
