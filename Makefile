@@ -41,7 +41,10 @@ GPUS ?=
 LR ?= 1e-5
 LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS ORIGINAL_LOGS IDK_ANSWERS ATTN
-RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+# make tofu LORA=1 (compare, muse likewise): LoRA adapters on every run's model, no second model (docs/lora.md)
+LORA ?=
+RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR) \
+	$(if $(LORA),--lora)
 # make compare TUNE=1: the equal budget, every method at the paper's learning rates x its own knob
 TUNE ?=
 # The MUSE recipe (make muse SPLIT=News, make compare BENCH=muse): the framework's MUSE target and settings;
@@ -50,7 +53,7 @@ SPLIT ?= News
 MUSE_MODEL ?= Llama-2-7b-hf
 export MUSE_DIR
 MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SPLIT) --model $(MUSE_MODEL) \
-	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR)
+	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR) $(if $(LORA),--lora)
 
 # make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name] [JOBS=2] [METHODS="NPO PALU"]: the offline
 # miniature experiment, results/<run>/; make demo BENCH=muse [FAST=1] [MUSE_DIR=...]: the MUSE-News miniature

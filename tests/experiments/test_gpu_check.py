@@ -49,8 +49,11 @@ def test_a_failed_run_makes_the_check_fail(tofu_dir, tmp_path, monkeypatch, caps
         gpu_check.main(["--cpu", "--tofu-dir", str(tofu_dir), "--out", str(tmp_path)])
     assert stop.value.code == 1
     out = capsys.readouterr().out
-    assert out.count("FAILED (exit status 1)") == 4
-    assert "gpu-check FAILED (PALU cache on, PALU cache off, TPO, NPO, palu-eval)" in out
+    assert out.count("FAILED (exit status 1)") == 6
+    assert (
+        "gpu-check FAILED (PALU cache on, PALU cache off, TPO, NPO, PALU LoRA 8B, NPO LoRA 8B, palu-eval)"
+        in out
+    )
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["eval"] == {"error": "PALU cache on failed: nothing to evaluate"}
 
@@ -94,10 +97,17 @@ def test_gpu_check_on_cpu_runs_every_method_through_palu_train_then_palu_eval(to
     out = result.stdout
     # the plan (every command) comes before the first launch
     assert out.index("gpu-check plan:") < out.index("# PALU cache on\n") < out.index("== PALU cache on")
-    assert out.count("palu-train --config-name=unlearn.yaml") == 4 and "palu-eval experiment=" in out
+    assert out.count("palu-train --config-name=unlearn.yaml") == 6 and "palu-eval experiment=" in out
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["failures"] == []
-    assert list(summary["runs"]) == ["PALU cache on", "PALU cache off", "TPO", "NPO"]
+    assert list(summary["runs"]) == [
+        "PALU cache on",
+        "PALU cache off",
+        "TPO",
+        "NPO",
+        "PALU LoRA 8B",
+        "NPO LoRA 8B",
+    ]
     for label, run in summary["runs"].items():
         assert run["steps"] == 3 and len(run["losses"]) == 3, label
         assert all(math.isfinite(loss) for loss in run["losses"]), label
@@ -118,4 +128,9 @@ def test_gpu_check_on_cpu_runs_every_method_through_palu_train_then_palu_eval(to
     evaluation = summary["eval"]["metrics"]
     assert set(evaluation) >= {"model_utility", "forget_Q_A_ROUGE", "forget_Q_A_Prob", "forget_truth_ratio"}
     assert 0 < evaluation["forget_Q_A_Prob"] < 1e-3  # a random model at |V| = 32000
-    assert "gpu-check passed: 4 runs and palu-eval" in out
+    # LoRA (on the small body on CPU): the cache and a reference without a second copy, merged weights saved
+    assert "reference cache: 40 forget rows" in logs["PALU LoRA 8B"] and "LoRA r=16" in logs["PALU LoRA 8B"]
+    assert "reference: the model with its LoRA adapters disabled (no second copy)" in logs["NPO LoRA 8B"]
+    for label in gpu_check.LORA_RUNS:
+        assert (tmp_path / "runs" / gpu_check.slug(label) / "adapter" / "adapter_model.safetensors").is_file()
+    assert "gpu-check passed: 6 runs and palu-eval" in out

@@ -128,6 +128,9 @@ def bad_places(tmp_path_factory):
             ["model.model_args.pretrained_model_name_or_path={places}/nothing"],
             r"pretrained_model_name_or_path=.*/nothing: no such folder",
         ),
+        (["+peft.r=0"], r"^peft\.r=0: must be a number >= 1 \(the adapters' rank\)"),
+        (["+peft.rank=8"], r"^peft\.rank: not a LoRA setting \(peft takes r, alpha, dropout, target_"),
+        (["+peft.dropout=1.5"], r"^peft\.dropout=1\.5: must be below 1"),
     ],
 )
 def test_config_checks_name_the_option_and_the_fix(overrides, message, bad_places, tmp_path):

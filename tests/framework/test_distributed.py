@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,14 +40,24 @@ STEPS = 3
 VOCABULARY = 128256
 SPANNED_ROW = 8  # forget01's longest answer (4 spans); the other row, its shortest, gets none
 PALU = ["experiment=unlearn/tofu/palu"]
+LORA = ["+peft=lora", "peft.dropout=0"]  # no dropout: the ranks' random masks differ from one process's
 # (experiment overrides, tied output embeddings)
 CONFIGURATIONS = {
     "PALU-reference-cache-tied": ([*PALU, "trainer.method_args.reference_cache=true"], True),
     "PALU-reference-model-untied": ([*PALU, "trainer.method_args.reference_cache=false"], False),
     "TPO-tied": (["experiment=unlearn/tofu/tpo"], True),
+    # LoRA: PALU as users run it (its cache, built from the model with its adapters disabled), and a stock
+    # method whose reference in every step is the model with its adapters disabled
+    "PALU-reference-cache-LoRA-tied": ([*PALU, "trainer.method_args.reference_cache=true", *LORA], True),
+    "NPO-LoRA-untied": (["experiment=unlearn/tofu/default", "trainer=NPO", *LORA], False),
 }
-STACK_CONFIGURATION = "PALU-reference-cache-tied"
-LOGGED = {"PALU": ("loss", "local_loss", "kl_loss", "retain_loss", "grad_norm"), "TPO": ("loss", "grad_norm")}
+DDP_CONFIGURATION = "PALU-reference-cache-tied"
+STACK_CONFIGURATIONS = ("PALU-reference-cache-tied", "PALU-reference-cache-LoRA-tied")
+LOGGED = {
+    "PALU": ("loss", "local_loss", "kl_loss", "retain_loss", "grad_norm"),
+    "TPO": ("loss", "grad_norm"),
+    "NPO": ("loss", "grad_norm"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +123,11 @@ def free_port() -> int:
 
 def run(launcher, overrides, data, model_dir, out_dir, processes):
     mirror, annotations, *_ = data
+    spans = [] if "trainer=NPO" in overrides else [f"span_annotations={annotations}"]
     command = [
         *launcher,
         *QUICK_RUN,
-        f"span_annotations={annotations}",
+        *spans,
         "task_name=distributed",
         f"paths.output_dir={out_dir}",
         f"++trainer.args.max_steps={STEPS}",
@@ -136,20 +148,23 @@ def run(launcher, overrides, data, model_dir, out_dir, processes):
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory, uneven_data, model_dirs):
-    """Reference runs, made once each: one process, both rows in each step through gradient accumulation."""
-    runs = {}
+def single_process(request, tmp_path_factory, uneven_data, model_dirs):
+    """Reference runs of the configurations this session runs: one process each, both rows in each step
+    through gradient accumulation. Made up front, two at a time, since each takes one core of the two that
+    the distributed runs take after them."""
+    selected = {
+        item.callspec.params["configuration"] if hasattr(item, "callspec") else DDP_CONFIGURATION
+        for item in request.session.items
+        if item.module.__name__ == __name__ and "single_process" in item.fixturenames
+    }
 
     def reference(configuration):
-        if configuration not in runs:
-            overrides, tied = CONFIGURATIONS[configuration]
-            out = tmp_path_factory.mktemp(f"single-{configuration}")
-            runs[configuration] = run(
-                [str(PALU_TRAIN)], overrides, uneven_data, model_dirs[tied], out, processes=1
-            )
-        return runs[configuration]
+        overrides, tied = CONFIGURATIONS[configuration]
+        out = tmp_path_factory.mktemp(f"single-{configuration}")
+        return run([str(PALU_TRAIN)], overrides, uneven_data, model_dirs[tied], out, processes=1)
 
-    return reference
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(selected, pool.map(reference, selected)))
 
 
 def assert_same_run(configuration, distributed, single, model_dir):
@@ -176,6 +191,9 @@ def assert_same_run(configuration, distributed, single, model_dir):
     for name, tensor in weights.items():
         assert tensor.shape == initial[name].shape, name  # gathered, not a ZeRO-3 shard
         update, single_update = tensor - initial[name], single_weights[name] - initial[name]
+        if "LoRA" in configuration and not name.endswith("proj.weight"):  # frozen: only adapters train
+            assert float(update.norm()) == float(single_update.norm()) == 0, name
+            continue
         assert float(single_update.norm()) > 0, name
         assert float((update - single_update).norm()) <= 0.1 * float(single_update.norm()), name
 
@@ -183,9 +201,9 @@ def assert_same_run(configuration, distributed, single, model_dir):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "configuration",
-    # the other stack's suite runs one: the reference cache, tied, as users run PALU by default
+    # the other stack's suite runs two: the reference cache, tied, as users run PALU by default, and LoRA
     [
-        pytest.param(name, marks=[pytest.mark.stack] if name == STACK_CONFIGURATION else [])
+        pytest.param(name, marks=[pytest.mark.stack] if name in STACK_CONFIGURATIONS else [])
         for name in CONFIGURATIONS
     ],
 )
@@ -203,12 +221,12 @@ def test_zero3_two_uneven_ranks(
         str(PALU_TRAIN),
     ]
     distributed = run(launcher, overrides, uneven_data, model_dirs[tied], tmp_path, processes=2)
-    assert_same_run(configuration, distributed, single_process(configuration), model_dirs[tied])
+    assert_same_run(configuration, distributed, single_process[configuration], model_dirs[tied])
 
 
 @pytest.mark.distributed
 def test_ddp_two_uneven_ranks(tmp_path, uneven_data, model_dirs, single_process):
-    configuration = "PALU-reference-cache-tied"
+    configuration = DDP_CONFIGURATION
     overrides, tied = CONFIGURATIONS[configuration]
     launcher = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", str(PALU_TRAIN)]
     # finetune.yaml's `ddp_find_unused_parameters: None` is the string "None", which DDP rejects.
@@ -218,4 +236,4 @@ def test_ddp_two_uneven_ranks(tmp_path, uneven_data, model_dirs, single_process)
         "trainer.args.ddp_find_unused_parameters=false",
     ]
     distributed = run(launcher, overrides, uneven_data, model_dirs[tied], tmp_path, processes=2)
-    assert_same_run(configuration, distributed, single_process(configuration), model_dirs[tied])
+    assert_same_run(configuration, distributed, single_process[configuration], model_dirs[tied])

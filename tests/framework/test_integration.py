@@ -105,6 +105,13 @@ METHOD_RUNS = {
     "TPO": ["experiment=unlearn/tofu/tpo"],
     "NPO": ["experiment=unlearn/tofu/default", "trainer=NPO"],
 }
+# LoRA with gradient checkpointing: the stock NPO checkpoints reentrantly, where adapters that get no
+# gradient (open-unlearning #178) would leave the merged weights equal to the model's
+LORA = ["+peft=lora", "trainer.args.gradient_checkpointing=true"]
+METHOD_RUNS |= {
+    "PALU-LoRA": [*METHOD_RUNS["PALU"], *LORA, "trainer.method_args.reference_cache=false"],
+    "NPO-LoRA": [*METHOD_RUNS["NPO"], *LORA],
+}
 
 
 @pytest.mark.slow
@@ -116,8 +123,8 @@ def test_train_then_evaluate_on_this_stack(tmp_path, tiny_model_dir, small_tofu_
     import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", spans)
     spans.write_text("".join(spans.read_text().splitlines(keepends=True)[:EVAL_ROWS]))
     out = tmp_path / "run"
-    spanned = [f"span_annotations={spans}"] if method != "NPO" else []
-    history, _ = palu_train(
+    spanned = [f"span_annotations={spans}"] if not method.startswith("NPO") else []
+    history, output = palu_train(
         [*METHOD_RUNS[method], *spanned, f"task_name={method}_e2e", "++trainer.args.max_steps=2"],
         small_tofu_mirror,
         tiny_model_dir,
@@ -125,7 +132,12 @@ def test_train_then_evaluate_on_this_stack(tmp_path, tiny_model_dir, small_tofu_
     )
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), history
-    assert len(changed_tensors(tiny_model_dir, out)) > 10
+    changed = changed_tensors(tiny_model_dir, out)
+    assert len(changed) > 10
+    if method.endswith("LoRA"):  # the merged weights: the adapted layers moved, nothing else
+        assert all(name.endswith("proj.weight") for name in changed), changed
+        assert (out / "adapter" / "adapter_model.safetensors").is_file()
+        assert "reference: the model with its LoRA adapters disabled (no second copy)" in output
     evaluation = [
         str(PALU_TRAIN.parent / "palu-eval"),
         "experiment=eval/tofu/tiny",

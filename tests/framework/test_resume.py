@@ -6,7 +6,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.patches import resuming
+from palu_trainer.framework.lora import LoraSettings, add_adapters
+from palu_trainer.framework.patches import resuming, training_with_adapters
 from palu_trainer.framework.resume import checkpoint_to_resume
 from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.framework.stale_weights import remove_stale_weights
@@ -47,7 +48,7 @@ def palu_run(tmp_path, tiny_model_dir):
     """A PALU trainer built by the framework's load_trainer, as train.py builds it."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    def build(output_dir, checkpoint=None, callbacks=(), **method_args):
+    def build(output_dir, checkpoint=None, callbacks=(), lora=False, **method_args):
         forget = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
         retain = span_dataset(tmp_path, tokenizer, TAG_TEMPLATE)
         trainer_cfg = OmegaConf.create(
@@ -72,9 +73,13 @@ def palu_run(tmp_path, tiny_model_dir):
                 },
             }
         )
-        trainer, _ = resuming(load_trainer, checkpoint)(
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if lora:
+            model = add_adapters(model, LoraSettings(r=4))
+        framework_load_trainer = training_with_adapters(load_trainer) if lora else load_trainer
+        trainer, _ = resuming(framework_load_trainer, checkpoint)(
             trainer_cfg=trainer_cfg,
-            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            model=model,
             train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
             **tokenizer_keyword(tokenizer),
             data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
@@ -87,16 +92,19 @@ def palu_run(tmp_path, tiny_model_dir):
     return build
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "LoRA"])
 @pytest.mark.parametrize("reference_cache", [True, False])
-def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run, reference_cache):
+def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run, reference_cache, lora):
     register()
     torch.manual_seed(0)
-    uninterrupted = palu_run(tmp_path / "full", reference_cache=reference_cache)
+    uninterrupted = palu_run(tmp_path / "full", reference_cache=reference_cache, lora=lora)
     uninterrupted.train()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "model.safetensors").write_bytes(b"an earlier run's final model")
     torch.manual_seed(0)
-    interrupted = palu_run(tmp_path / "run", reference_cache=reference_cache, callbacks=[Interrupt()])
+    interrupted = palu_run(
+        tmp_path / "run", reference_cache=reference_cache, lora=lora, callbacks=[Interrupt()]
+    )
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == [f"checkpoint-{SAVE_EVERY}"]
@@ -104,12 +112,16 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(tmp_path, palu_run
     assert checkpoint.endswith(f"checkpoint-{SAVE_EVERY}")
     torch.manual_seed(1)  # resuming restores the checkpoint's RNG state, whatever the process did before
     trained = CountSteps()
-    resumed = palu_run(tmp_path / "run", checkpoint, reference_cache=reference_cache, callbacks=[trained])
+    resumed = palu_run(
+        tmp_path / "run", checkpoint, reference_cache=reference_cache, lora=lora, callbacks=[trained]
+    )
     resumed.train()  # as train.py calls it: no arguments
     assert trained.steps == list(range(SAVE_EVERY + 1, STEPS + 1))
     steps = [entry["step"] for entry in resumed.state.log_history if "local_loss" in entry]
     assert steps == list(range(1, STEPS + 1))  # 1-3 from the checkpoint, 4-6 trained after resuming
     full = dict(uninterrupted.model.named_parameters())
+    trained_names = [name for name, parameter in resumed.model.named_parameters() if parameter.requires_grad]
+    assert trained_names and all(("lora_" in name) == lora for name in trained_names)
     for name, parameter in resumed.model.named_parameters():
         torch.testing.assert_close(parameter, full[name], rtol=1e-5, atol=1e-6, msg=name)
     assert [e.get("kl_loss") for e in resumed.state.log_history if "kl_loss" in e] == [

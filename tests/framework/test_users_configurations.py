@@ -5,7 +5,8 @@ On CUDA the framework's model configs load Llama in `torch_dtype: bfloat16` and 
 Trainer's own `compute_loss` runs outside autocast. On the CPU the Trainer would put `compute_loss` under
 autocast too (`use_cpu_amp`), which hides what CUDA users see; these runs switch that off, so the losses run
 exactly as on one GPU. The model: |V| = 32000 (Llama-2's), tied and untied output embeddings, gradient
-checkpointing on, real TOFU rows with the GPT-4o spans plus a row without spans.
+checkpointing on, real TOFU rows with the GPT-4o spans plus a row without spans. The LoRA row (`+peft=lora`)
+trains fp32 adapters on the bf16 model against the model with its adapters disabled.
 """
 
 import pytest
@@ -14,6 +15,7 @@ from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.lora import AdaptersDisabled, LoraSettings, add_adapters, reference_without_copy
 from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.spans.tpo_spans import read_tpo
 
@@ -39,6 +41,9 @@ METHODS = {
     "PALU-reference-cache": (PALUTrainer, {"top_k": 0.15625, "reference_cache": True}),
     "PALU-reference-model": (PALUTrainer, {"top_k": 0.15625, "reference_cache": False}),
     "TPO": (TPOTrainer, {"beta": 0.32}),
+    # +peft=lora: adapters in fp32 on the bf16 model, the reference the model with its adapters disabled
+    "PALU-reference-model-LoRA": (PALUTrainer, {"top_k": 0.15625, "reference_cache": False}),
+    "TPO-LoRA": (TPOTrainer, {"beta": 0.32}),
 }
 
 
@@ -65,6 +70,9 @@ def train(model_dir, method, bf16, forget_rows_and_spans, retain_row, tmp_path, 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.bfloat16 if bf16 else torch.float32
     )
+    lora = method.endswith("LoRA")
+    if lora:
+        model = add_adapters(model, LoraSettings(dropout=0.0))
     rows, spans = forget_rows_and_spans
     for part in ("forget", "retain"):
         (tmp_path / part).mkdir(parents=True)
@@ -87,15 +95,17 @@ def train(model_dir, method, bf16, forget_rows_and_spans, retain_row, tmp_path, 
         seed=0,
     )
     AcceleratorState._reset_state()  # a process-wide singleton: else the previous run's precision stays
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
-        **tokenizer_keyword(tokenizer),
-        data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
-        template_args=TAG_TEMPLATE,
-        **method_args,
-    )
+    with reference_without_copy():
+        trainer = trainer_class(
+            model=model,
+            args=args,
+            train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
+            **tokenizer_keyword(tokenizer),
+            data_collator=DataCollatorWithTokenRoles(tokenizer, index="index"),
+            template_args=TAG_TEMPLATE,
+            **method_args,
+        )
+    assert isinstance(trainer.ref_model, AdaptersDisabled) == lora
     trainer.use_cpu_amp = False  # as on CUDA: mixed precision only through accelerate's wrapped forward
     trainer.train()
     assert trainer.args.gradient_checkpointing_kwargs == {"use_reentrant": False}

@@ -561,6 +561,21 @@ def test_padding_chunks_make_exactly_the_projection_calls_asked_and_add_nothing(
         mean_over_chunks(hidden[0, :4], project, lambda logits, rows: logits.sum(), 2, 1)
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
+def test_a_frozen_projection_runs_backward_through_every_padding_chunk(recompute):
+    """LoRA freezes the output projection: ZeRO-3 then gathers it for a chunk's backward only if the chunk's
+    input needs a gradient, so a padding chunk's row must stay in the states' graph, or a rank with fewer
+    real chunks skips collectives the others make (a collective mismatch at the next step)."""
+    project = CountingProjection(16, 40).requires_grad_(False)
+    backward_calls = []
+    project.register_full_backward_hook(lambda *_: backward_calls.append(1))
+    states = torch.randn(3, 16, requires_grad=True)
+    loss = mean_over_chunks(states, project, lambda logits, rows: logits.square().mean(), 2, 4, recompute)
+    loss.backward()
+    assert len(backward_calls) == 4  # 2 chunks of rows, 2 padding chunks
+    assert states.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("kl_direction", ["ref_to_policy", "policy_to_ref"])
 def test_reference_model_chunk_by_chunk_gives_the_full_reference_losses_and_gradients(kl_direction):
     """The reference model's targets projected inside each chunk (no (C, V) P_ref held) against the

@@ -15,8 +15,14 @@ its reference cache) and, from `palu-train`'s own step times (PALU_RUN_STATS=1, 
 steps 2..n alone. Peak GPU memory: `torch.cuda.max_memory_allocated` of the training process at its end
 (the largest over ranks), written by the same hook.
 
+LoRA (`+peft=lora`) on an 8B-shaped model: a random-init Llama of Llama-3.1-8B's shape (8.0B parameters,
+|V| = 128256) in bf16 on one GPU capped at 40 GiB (`torch.cuda.set_per_process_memory_fraction`, the A100
+40GB of open-unlearning issue #179), for PALU with the reference cache and NPO, whose reference is the same
+model with its adapters disabled; each prints its peak GPU memory.
+
 `--cpu` runs the same pipeline on CPU (`+runtime=cpu`: fp32, AdamW, sdpa) with a small body at the same
-|V|, fewer steps and 20 rows of each model-utility evaluation set; it reports peak resident memory instead.
+|V|, fewer steps and 20 rows of each model-utility evaluation set (the LoRA runs on that body too, uncapped);
+it reports peak resident memory instead.
 """
 
 import argparse
@@ -27,7 +33,7 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from safetensors import safe_open
@@ -39,7 +45,7 @@ from palu_trainer.experiments.recipe import flash_attention_problem
 from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
-from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, read_run_stats
+from palu_trainer.framework.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE, read_run_stats
 
 VOCAB_SIZE = 32000  # Llama-2's |V|
 TRAINED_VOCAB = 8192  # merges learnt from TOFU's text; the rest of the 32000 are unused tokens
@@ -67,6 +73,9 @@ class CheckSize:
     max_new_tokens: int
     eval_batch_size: int
     eval_rows: int | None  # rows of each EVAL_ONLY_CONFIGS set; None: all
+    num_kv_heads: int | None = None  # None: as many as query heads
+    intermediate_size: int | None = None  # None: 4 x hidden
+    vocab_size: int = VOCAB_SIZE
 
 
 GPU_SIZE = CheckSize(
@@ -88,12 +97,27 @@ CPU_SIZE = CheckSize(
     eval_rows=20,
 )
 
+# Llama-3.1-8B's shape (open-unlearning's 8B model config), the LoRA runs' model on a GPU
+LORA_8B_SIZE = replace(
+    GPU_SIZE,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    steps=5,
+)
+LORA_MEMORY_CAP_GIB = 40
 # label -> (method of the side-by-side table, extra overrides)
 RUNS = {
     "PALU cache on": ("PALU", ("trainer.method_args.reference_cache=true",)),
     "PALU cache off": ("PALU", ("trainer.method_args.reference_cache=false",)),
     **{name: (name, ()) for name in GPU_CHECK_BASELINES},
+    "PALU LoRA 8B": ("PALU", ("+peft=lora", "trainer.method_args.reference_cache=true")),
+    "NPO LoRA 8B": ("NPO", ("+peft=lora",)),
 }
+LORA_RUNS = ("PALU LoRA 8B", "NPO LoRA 8B")
 EVALUATED = "PALU cache on"
 EVAL_METRICS = ("model_utility", "forget_Q_A_ROUGE", "forget_Q_A_Prob", "forget_truth_ratio", "privleak")
 
@@ -164,19 +188,23 @@ def make_tofu_mirror(tofu_dir: Path, mirror: Path, eval_rows: int | None = None)
     return mirror
 
 
-def make_model(tofu_dir: Path, directory: Path, size: CheckSize) -> int:
-    """Tokenizer (TOFU-trained BPE padded to |V| = 32000) and a random-init Llama; returns its parameters."""
+def make_model(tofu_dir: Path, directory: Path, size: CheckSize, dtype=None) -> int:
+    """Tokenizer (TOFU-trained BPE padded to the size's |V|) and a random-init Llama (weights in `dtype`,
+    fp32 unless given); returns its parameters."""
     rows = read_jsonl(tofu_dir / "full.json")
     texts = [row["question"] + "\n" + row["answer"] for row in rows]
     save_tiny_model(
         directory,
         texts,
         vocab_size=TRAINED_VOCAB,
-        padded_vocab_size=VOCAB_SIZE,
+        padded_vocab_size=size.vocab_size,
         hidden_size=size.hidden_size,
         num_layers=size.num_layers,
         num_heads=size.num_heads,
         tie_word_embeddings=False,
+        num_kv_heads=size.num_kv_heads,
+        intermediate_size=size.intermediate_size,
+        dtype=dtype,
     )
     with safe_open(directory / "model.safetensors", "pt") as weights:
         return sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
@@ -317,6 +345,11 @@ def format_table(results: dict[str, dict], cpu: bool) -> str:
     return "\n".join(lines)
 
 
+def one_gpu(env: dict) -> dict:
+    """The first visible GPU alone."""
+    return {"CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -361,8 +394,16 @@ def main(argv=None) -> None:
     config = launch.write_accelerate_config(out / "accelerate", gpus, bf16=True) if gpus >= 2 else None
     launcher = launch.command("palu-train", config)
     device = "CPU (+runtime=cpu, fp32)" if args.cpu else f"{gpus} x {torch.cuda.get_device_name(0)} (bf16)"
+    # LoRA's case: one process, on the 8B-shaped model on a GPU (the small body on CPU)
+    lora_size = size if args.cpu else LORA_8B_SIZE
+    lora_model = out / ("model" if args.cpu else "model-8b")
+    steps = {label: lora_size.steps if label in LORA_RUNS else size.steps for label in args.methods}
     train = {
         label: train_command(label, out / "model", out, size, args.cpu, attention, launcher)
+        if label not in LORA_RUNS
+        else train_command(
+            label, lora_model, out, lora_size, args.cpu, attention, launch.command("palu-train")
+        )
         for label in args.methods
     }
     evaluation = eval_command(out, size, args.cpu, attention)
@@ -374,27 +415,38 @@ def main(argv=None) -> None:
         f"device; TOFU {args.tofu_dir} ({', '.join(SPLITS)}; holdout01 = {PLACEHOLDER_HOLDOUT_ROWS} retain99 "
         f"rows{retain_note}); work folder {out}"
     )
+    if set(LORA_RUNS) & set(train) and not args.cpu:
+        print(
+            f"LoRA runs: Llama-3.1-8B's shape (hidden {lora_size.hidden_size} x {lora_size.num_layers} "
+            f"layers, {lora_size.num_kv_heads} key-value heads, MLP {lora_size.intermediate_size}, "
+            f"|V|={lora_size.vocab_size}) in bf16, one GPU capped at {LORA_MEMORY_CAP_GIB} GiB, "
+            f"{lora_size.steps} steps"
+        )
     for label, command in train.items():
         print(f"# {label}\n{shlex.join(command)}")
     print(f"# palu-eval on {EVALUATED}\n{shlex.join(evaluation)}", flush=True)
 
     started = time.monotonic()
     parameters = make_model(args.tofu_dir, out / "model", size)
+    if set(LORA_RUNS) & set(train) and not args.cpu:
+        lora_parameters = make_model(args.tofu_dir, lora_model, lora_size, dtype=torch.bfloat16)
+        print(f"LoRA model: {lora_parameters / 1e9:.2f}B parameters ({time.monotonic() - started:.0f} s)")
     mirror = make_tofu_mirror(args.tofu_dir, out / "tofu", size.eval_rows)
     print(
         f"model: {parameters / 1e6:.1f}M parameters; model, tokenizer, TOFU mirror: "
         f"{time.monotonic() - started:.0f} s"
     )
     env = offline_environment(mirror, out, "1" if args.cpu else os.environ.get("OMP_NUM_THREADS", "4"))
+    lora_env = env if args.cpu else {**env, **one_gpu(env), MEMORY_CAP_VARIABLE: str(LORA_MEMORY_CAP_GIB)}
     results = {}
     for label, command in train.items():
         print(f"== {label} …", flush=True)
         log = out / "logs" / f"{slug(label)}.log"
-        code, seconds = launch.run_logged(command, log, env)
+        code, seconds = launch.run_logged(command, log, lora_env if label in LORA_RUNS else env)
         result = (
             {"error": f"exit status {code}"}
             if code
-            else training_result(label, out / "runs" / slug(label), size.steps)
+            else training_result(label, out / "runs" / slug(label), steps[label])
         )
         result["wall_s"] = seconds
         results[label] = result
@@ -402,9 +454,7 @@ def main(argv=None) -> None:
             print(f"   FAILED ({result['error']}); {log}:\n{launch.log_tail(log)}", flush=True)
 
     print(f"== palu-eval on {EVALUATED} …", flush=True)
-    eval_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    if args.cpu:
-        eval_env.pop("CUDA_VISIBLE_DEVICES")
+    eval_env = env if args.cpu else {**env, **one_gpu(env)}
     log = out / "logs" / "eval.log"
     if results[EVALUATED].get("error"):
         eval_result = {"error": f"{EVALUATED} failed: nothing to evaluate"}

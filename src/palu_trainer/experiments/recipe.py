@@ -120,6 +120,7 @@ class RecipeSettings:
     original_logs: str | None = None
     # the attention every run uses, when it differs from the model config's (choose_attention)
     attn_implementation: str | None = None
+    lora: bool = False  # +peft=lora: adapters on every method's model, the reference without a copy
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -129,7 +130,7 @@ class RecipeSettings:
         suffix = f"_lr{self.learning_rate}" + (
             f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         )
-        variant = "".join(f"_{name}{value}" for name, value in self.variant)
+        variant = "".join(f"_{name}{value}" for name, value in self.variant) + ("_lora" if self.lora else "")
         return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.task_prefix}_{method}{suffix}{variant}")
 
     def params(self, method: str) -> dict:
@@ -282,6 +283,8 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
         command.append(f"{METHODS[method].kl_weight_key}={settings.kl_weight}")
     if METHODS[method].uses_idk_answers:
         command.append(f"idk_path={settings.idk_answers_path}")
+    if settings.lora:
+        command.append("+peft=lora")
     return [*command, *settings.extra]
 
 
@@ -542,6 +545,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--ablation", choices=list(AXES), help="PALU at every point of one of the paper's ablation axes"
     )
+    parser.add_argument(
+        "--lora", action="store_true", help="LoRA adapters on every run's model (+peft=lora, docs/lora.md)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
     if args.ablation and (args.tune or args.methods != ["PALU"]):
@@ -566,6 +572,7 @@ def main(argv=None) -> None:
         idk_answers=args.idk_answers,
         original_logs=args.original_logs,
         attn_implementation=attention,
+        lora=args.lora,
     )
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"

@@ -66,11 +66,16 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     model_type: str = "llama",
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    dtype=None,
     **config_overrides,
 ):
     """A randomly initialised causal LM of `model_type` (llama, qwen3, gemma2, gemma3_text, …: any the
     installed transformers knows) sized to the tokenizer's vocabulary; tied output embeddings as
-    Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B. `config_overrides` go to its config."""
+    Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B. Key-value heads as many as query heads and an
+    MLP 4 x hidden unless given; `dtype` of the weights (fp32 unless given); `config_overrides` go to its
+    config."""
     import torch
 
     torch.manual_seed(seed)
@@ -78,10 +83,10 @@ def make_tiny_model(
         model_type,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
+        intermediate_size=intermediate_size or hidden_size * 4,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
@@ -90,7 +95,7 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         **config_overrides,
     )
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
 
 
 def save_tiny_model(

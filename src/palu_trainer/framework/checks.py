@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import Trainer, TrainerCallback
 
 from palu_trainer.framework.datasets import check_max_length
+from palu_trainer.framework.lora import LoraSettings
 from palu_trainer.framework.run_guard import failed_run_problem
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
@@ -54,6 +55,8 @@ PASSED_BY_FRAMEWORK = {
 ALLOW_OVERLAP = "allow_forget_retain_overlap"
 ALLOW_OTHER_DATA = "allow_resume_on_other_data"
 RUN_DATA_FILE = "palu_run_data.json"
+# The framework's methods that probe the reference model's hidden states by module (RMU): not with LoRA.
+REFERENCE_MODULE_READERS = ("RMU",)
 
 
 def argv_problem(argv) -> str | None:
@@ -260,6 +263,28 @@ def initiating_problem(cfg, script) -> str | None:
     return None
 
 
+def peft_problem(cfg, script) -> str | None:
+    """LoRA settings (`+peft=lora`) peft would refuse or that make no sense; LoRA asked of palu-eval."""
+    node = cfg.get("peft")
+    if node is None:
+        return None
+    if script == "eval":
+        return (
+            "+peft=lora is a training option: a LoRA run saves merged weights, which palu-eval loads as any "
+            "model; drop +peft=lora"
+        )
+    if cfg.trainer.get("handler") in REFERENCE_MODULE_READERS:
+        return (
+            f"trainer={cfg.trainer.handler} reads its reference model's modules by name, which a LoRA run's "
+            "reference (the model with its adapters disabled) does not expose: run it without +peft=lora"
+        )
+    try:
+        LoraSettings.from_config(node)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 # (scripts, check): each returns the problem's message or None; all run before the job starts.
 CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
@@ -271,6 +296,7 @@ CONFIG_CHECKS = (
     (("train",), trainer_data_problem),
     (("train",), max_length_problem),
     (("train",), initiating_problem),
+    (("train", "eval"), peft_problem),
 )
 
 

@@ -17,7 +17,9 @@ from palu_trainer.framework.patches import (
     checking_vocabulary,
     guarding,
     resuming,
+    training_with_adapters,
     upcasting_evaluation_logits,
+    with_adapters,
 )
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
@@ -128,6 +130,9 @@ def run_framework_script(script: str, config_name: str) -> None:
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
         module.get_model = upcasting_evaluation_logits(checking_vocabulary(get_model))
+        lora = load_trainer is not None and cfg.get("peft") is not None
+        if lora:
+            module.get_model = with_adapters(module.get_model, cfg.peft)
         if load_trainer is not None:
             from trainer import TRAINER_REGISTRY
 
@@ -148,9 +153,10 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
+            framework_load_trainer = training_with_adapters(load_trainer) if lora else load_trainer
             module.load_trainer = guarding(
                 averaging_accumulated_losses(
-                    resuming(load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+                    resuming(framework_load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
                 ),
                 argv,
                 bool(cfg.get(ALLOW_LOW_DISK, False)),

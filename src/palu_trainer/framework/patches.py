@@ -168,3 +168,47 @@ def guarding(load_trainer, argv: list[str], allow_low_disk: bool = False):
         return trainer, trainer_args
 
     return load
+
+
+def with_adapters(get_model, peft_node):
+    """The framework's `get_model`, whose model carries LoRA adapters (`+peft=lora`), refused with the
+    reason when they cannot fit it."""
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.framework.lora import LoraSettings, adapter_problem, add_adapters
+
+    settings = LoraSettings.from_config(peft_node)
+
+    @functools.wraps(get_model)
+    def load(*args, **kwargs):
+        model, tokenizer = get_model(*args, **kwargs)
+        problem = adapter_problem(model, settings)
+        if problem:
+            raise BadInput(problem)
+        return add_adapters(model, settings), tokenizer
+
+    return load
+
+
+def training_with_adapters(load_trainer):
+    """The framework's `load_trainer` for a LoRA run: every reference is the model with its adapters
+    disabled (no second copy), gradient checkpointing without reentrant passes, the optimizer without empty
+    parameter groups, and the final save writes the merged weights with the adapter beside them."""
+    from palu_trainer.framework.lora import (
+        keeping_frozen_weights_through_recompute,
+        reference_without_copy,
+        saving_merged,
+        without_empty_parameter_groups,
+    )
+    from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        with reference_without_copy():
+            trainer, trainer_args = load_trainer(*args, **kwargs)
+        # the stock methods too: reentrant checkpointing gives ZeRO-3 two gradients per parameter and step
+        use_non_reentrant_checkpointing(trainer.args)
+        if trainer.is_deepspeed_enabled and trainer.args.gradient_checkpointing:
+            keeping_frozen_weights_through_recompute()
+        return saving_merged(without_empty_parameter_groups(trainer)), trainer_args
+
+    return load

@@ -4,7 +4,9 @@ With `PALU_RUN_STATS=1` in its environment, `palu-train` adds a TrainerCallback 
 `run_stats_rank<R>.json` into the run's output folder when training ends: the seconds at the end of every
 optimizer step (CUDA synchronised first), the process's peak GPU memory (`torch.cuda.max_memory_allocated`
 over the whole process: model load, reference model or cache, training) and its peak resident memory.
-Without the variable nothing changes.
+With `PALU_CUDA_MEMORY_CAP_GIB` too, the process may allocate at most that much GPU memory
+(`torch.cuda.set_per_process_memory_fraction`, set before the trainer moves the model to the GPU): a smaller
+GPU on a larger one. Without the variables nothing changes.
 """
 
 import functools
@@ -17,6 +19,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 RUN_STATS_VARIABLE = "PALU_RUN_STATS"
+MEMORY_CAP_VARIABLE = "PALU_CUDA_MEMORY_CAP_GIB"
 
 
 def _synchronize() -> None:
@@ -65,11 +68,22 @@ def with_run_stats(load_trainer):
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
+        cap_memory(os.environ.get(MEMORY_CAP_VARIABLE))
         trainer, trainer_args = load_trainer(*args, **kwargs)
         trainer.add_callback(RunStatsCallback(trainer_args.output_dir))
         return trainer, trainer_args
 
     return load
+
+
+def cap_memory(gib: str | None) -> None:
+    """Let this process allocate at most `gib` GiB on its GPU (no-op without CUDA or a cap)."""
+    import torch
+
+    if not gib or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
 
 
 def read_run_stats(output_dir: Path) -> list[dict]:

@@ -76,8 +76,10 @@ def mean_over_chunks(
             return row_loss(at_least_fp32(project(chunk_states)), rows)
         # A padding chunk adds exactly 0 through the projection, so that its parameters are gathered and
         # get their (zero) gradient as on every other rank. It projects one zero row, not none: ZeRO-3
-        # gathers a module for its backward only when its output has elements.
-        padding = at_least_fp32(project(chunk_states.new_zeros((1, chunk_states.shape[-1]))))
+        # gathers a module for its backward only when its output has elements and needs a gradient, which
+        # a frozen projection's (LoRA) gives only through its input: the row is the sum of no rows, so it
+        # stays in the states' graph.
+        padding = at_least_fp32(project(chunk_states.sum(0, keepdim=True)))
         return row_loss(padding[:0], rows) + 0.0 * padding.sum()
 
     parts = []

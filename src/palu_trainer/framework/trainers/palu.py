@@ -6,6 +6,7 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
+from palu_trainer.framework.lora import adapters_disabled, base_model
 from palu_trainer.framework.projection import logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
@@ -88,7 +89,7 @@ class PALUTrainer(GradDiff):
     def _log_projection(self) -> bool:
         """Whether logits are projected at the loss positions only (logged, with why not)."""
         projection, how = logit_projection(self.model)
-        self.logits_to_keep = logits_to_keep_keyword(self.accelerator.unwrap_model(self.model))
+        self.logits_to_keep = logits_to_keep_keyword(base_model(self.accelerator.unwrap_model(self.model)))
         if projection is None:
             logger.warning("full logits at every position: %s", how)
         elif self.logits_to_keep is None:
@@ -218,9 +219,10 @@ class PALUTrainer(GradDiff):
         )
         was_training = model.training
         model.eval()
-        cache = build_reference_cache(
-            lambda batch: self._cached_form(model, batch), batches, self.reference_cache_dtype
-        )
+        with adapters_disabled(self.accelerator.unwrap_model(model)):  # a LoRA run's reference: the base
+            cache = build_reference_cache(
+                lambda batch: self._cached_form(model, batch), batches, self.reference_cache_dtype
+            )
         model.train(was_training)
         logger.info(describe(cache, self.objective.top_k, self.reference_cache_dtype))
         return cache

@@ -1,0 +1,329 @@
+"""LoRA (peft) for every method palu-train runs, switched on with `+peft=lora` (configs/peft/lora.yaml).
+
+- The loaded model gets adapters (`add_adapters`), after checks that name the problem before training: a
+  target that matches no module, a rank above a targeted layer's width, LoRA on the output projection.
+- The reference any method reads is the same model with its adapters disabled (`AdaptersDisabled`), never a
+  second copy: while the trainer is built, the framework's `GradDiff._prepare_ref_model` (which every method
+  with a reference calls, PALU's and TPO's included) returns that view instead of a deep copy.
+- The final save writes the merged weights, which palu-eval and the stock evaluator load unchanged, with the
+  adapter beside them in `adapter/`. Checkpoints stay as transformers writes them (the adapter and the
+  optimizer state), so resuming works as without LoRA.
+"""
+
+import contextlib
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from palu_trainer.method.checks import check_number
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"  # beside the merged weights in the output folder
+ADAPTER_NAME = "default"  # peft's name of the one adapter
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The `peft` config node (`+peft=lora`)."""
+
+    r: int = 16  # rank of each adapter
+    alpha: float = 32.0  # scale alpha / r of the adapter's update
+    dropout: float = 0.05  # dropout on the adapter's input
+    target_modules: str | tuple[str, ...] = "all-linear"  # peft's names: all-linear, or module name suffixes
+
+    @classmethod
+    def from_config(cls, node) -> "LoraSettings":
+        """The settings of a `peft` node, or ValueError naming the key and what it takes."""
+        values = dict(node)
+        unknown = sorted(set(values) - {field.name for field in fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"peft.{unknown[0]}: not a LoRA setting (peft takes {', '.join(f.name for f in fields(cls))})"
+            )
+        settings = cls(**values)
+        targets = settings.target_modules
+        if not isinstance(targets, str):
+            targets = tuple(targets) if isinstance(targets, Sequence) else ()
+            if not targets or not all(isinstance(name, str) and name for name in targets):
+                raise ValueError(
+                    f"peft.target_modules={settings.target_modules}: a list of module names (q_proj, "
+                    "v_proj, ...) or all-linear"
+                )
+            settings = cls(settings.r, settings.alpha, settings.dropout, targets)
+        if not isinstance(settings.r, int):
+            raise ValueError(f"peft.r={settings.r!r}: the adapters' rank, a positive integer (16 by default)")
+        check_number("peft.r", settings.r, "the adapters' rank", minimum=1)
+        check_number("peft.alpha", settings.alpha, "the update is scaled by alpha/r", exclusive=True)
+        check_number("peft.dropout", settings.dropout, "dropout on the adapters' input, below 1")
+        if settings.dropout >= 1:
+            raise ValueError(f"peft.dropout={settings.dropout}: must be below 1 (the share dropped)")
+        return settings
+
+
+def adapter_problem(model, settings: LoraSettings) -> str | None:
+    """Why `settings` cannot put adapters on `model`, or None. Checked on the loaded model, before peft."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    head = model.get_output_embeddings()
+    linear = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    if settings.target_modules == "all-linear":  # peft's rule: every linear layer but the output projection
+        targeted = {name: module for name, module in linear.items() if module is not head}
+    else:
+        config = LoraConfig(target_modules=list(settings.target_modules))
+        targeted = {
+            name: module
+            for name, module in model.named_modules()
+            if name and check_target_module_exists(config, name)
+        }
+    layer_names = sorted({name.rsplit(".", 1)[-1] for name, module in linear.items() if module is not head})
+    if not targeted:
+        return (
+            f"peft.target_modules={list(settings.target_modules)} matches no module of "
+            f"{model.config.model_type}: its linear layers are named {', '.join(layer_names)} (name some of "
+            "them, or all-linear)"
+        )
+    for name, module in targeted.items():
+        if module is head:
+            return (
+                f"peft.target_modules puts LoRA on the output projection ({name}): the reference and PALU's "
+                f"projection read it unadapted; target the body's layers ({', '.join(layer_names)})"
+            )
+        if not isinstance(module, torch.nn.Linear):
+            return (
+                f"peft.target_modules matches {name}, a {type(module).__name__}: LoRA here adapts linear "
+                f"layers only ({', '.join(layer_names)})"
+            )
+        width = min(module.in_features, module.out_features)
+        if settings.r > width:
+            return (
+                f"peft.r={settings.r} is above the width of {name} ({module.in_features} -> "
+                f"{module.out_features}, rank at most {width}): lower peft.r"
+            )
+    return None
+
+
+def add_adapters(model, settings: LoraSettings):
+    """`model` with LoRA adapters (checked first with `adapter_problem`): a peft model whose base weights are
+    frozen. Adapters receive gradients under reentrant gradient checkpointing too (the input embeddings'
+    output requires grad)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = settings.target_modules
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        task_type="CAUSAL_LM",
+    )
+    adapted = get_peft_model(model, config)
+    # peft's model takes no gradient through its frozen embeddings: reentrant checkpointing would then
+    # recompute every block without gradients and the adapters would never train (open-unlearning #178)
+    adapted.enable_input_require_grads()
+    trainable, total = adapted.get_nb_trainable_parameters()
+    logger.info(
+        "LoRA r=%d, alpha=%g, dropout=%g on %s: %d trainable parameters of %d (%.3f%%)",
+        settings.r,
+        settings.alpha,
+        settings.dropout,
+        targets,
+        trainable,
+        total,
+        100 * trainable / total,
+    )
+    return adapted
+
+
+def is_adapted(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def base_model(model):
+    """The transformers model under a peft model's adapters (the model itself without LoRA)."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """`model` computes as its base weights inside this block (a no-op for a model without adapters)."""
+    if not is_adapted(model):
+        yield model
+        return
+    with model.disable_adapter():
+        yield model
+
+
+class AdaptersDisabled:
+    """The reference of a LoRA run: the trained model with its adapters disabled, in eval mode and without
+    gradients, which computes exactly as the weights unlearning started from (the base weights are frozen).
+    Called as the framework calls a reference model (`ref_model(**inputs)`); other attributes (config,
+    output embeddings) are the model's."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model), torch.no_grad():
+                return self.model(*args, **kwargs)
+        finally:
+            self.model.train(was_training)
+
+    def eval(self):
+        return self
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@contextlib.contextmanager
+def reference_without_copy():
+    """While a trainer is built inside this block, a method's reference model is the trained model with its
+    adapters disabled (`AdaptersDisabled`) where that model has adapters, instead of the framework's deep
+    copy."""
+    from trainer.unlearn.grad_diff import GradDiff
+
+    prepare = GradDiff._prepare_ref_model
+
+    def prepare_reference(self, model):
+        if not is_adapted(model):
+            return prepare(self, model)
+        logger.info("reference: the model with its LoRA adapters disabled (no second copy)")
+        return AdaptersDisabled(model)
+
+    GradDiff._prepare_ref_model = prepare_reference
+    try:
+        yield
+    finally:
+        GradDiff._prepare_ref_model = prepare
+
+
+def merged_state_dict(state_dict: dict, model) -> dict:
+    """The base model's state dict with every adapter merged into its layer: W + (alpha/r)·B·A.
+
+    `state_dict` is the peft model's, full (gathered under ZeRO-3); `model` the peft model, which says where
+    its adapters are and their scales. Keys come out as the base model names them.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    layers = {
+        name.removeprefix(prefix): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    merged = {}
+    for key, value in state_dict.items():
+        name = key.removeprefix(prefix)
+        if ".lora_" in name:
+            continue
+        merged[name.replace(".base_layer.", ".")] = value
+    for name, layer in layers.items():
+        weight = merged[f"{name}.weight"]
+        down = state_dict[f"{prefix}{name}.lora_A.{ADAPTER_NAME}.weight"].float()
+        up = state_dict[f"{prefix}{name}.lora_B.{ADAPTER_NAME}.weight"].float()
+        update = layer.scaling[ADAPTER_NAME] * (up @ down)
+        if layer.fan_in_fan_out:
+            update = update.T
+        merged[f"{name}.weight"] = (weight.float() + update.to(weight.device)).to(weight.dtype)
+    return merged
+
+
+def without_empty_parameter_groups(trainer):
+    """`trainer.create_optimizer`, whose optimizer keeps only parameter groups with trainable parameters.
+
+    The Trainer groups the trainable parameters into decayed and not decayed; with LoRA the second is empty
+    (every adapter is a weight matrix). DeepSpeed's ZeRO-3 optimizer drops empty groups while the learning
+    rate scheduler, made from the Trainer's optimizer, keeps one rate per group: its first step failed with
+    "zip() argument 2 is longer than argument 1".
+    """
+    create_optimizer = trainer.create_optimizer
+
+    @functools.wraps(create_optimizer)
+    def create():
+        optimizer = create_optimizer()
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+        return optimizer
+
+    trainer.create_optimizer = create
+    return trainer
+
+
+def keeping_frozen_weights_through_recompute() -> None:
+    """Make DeepSpeed's ZeRO-3 keep a LoRA run's small frozen weights gathered while a gradient-checkpointed
+    block is recomputed in the backward pass.
+
+    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, which are not
+    behind DeepSpeed's own linear function) by reference, not as a detached copy; ZeRO-3's post-forward hook
+    then frees them in place, and the backward finds them empty: "Recomputed values ... have different
+    metadata ... torch.Size([0])" on the first step (DeepSpeed fixed it after 0.19; the framework pins
+    0.15.4). Only weights ZeRO-3 already treats as persistent (below `stage3_param_persistence_threshold`,
+    10 x hidden by default: the norms) are kept, so the memory ZeRO-3 saves is unchanged. Patched once.
+    """
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator,
+        iter_params,
+    )
+    from deepspeed.utils import z3_leaf_module
+
+    release = PartitionedParameterCoordinator.release_sub_module
+    if getattr(release, "keeps_frozen_weights", False):
+        return
+
+    @functools.wraps(release)
+    def release_sub_module(self, submodule, *args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass: no recompute
+            return release(self, submodule, *args, **kwargs)
+        kept = [
+            parameter
+            for parameter in iter_params(submodule, recurse=z3_leaf_module(submodule))
+            if parameter.ds_persist and not parameter.requires_grad and not parameter.is_external_param
+        ]
+        for parameter in kept:  # the release loop leaves external parameters gathered
+            parameter.is_external_param = True
+        try:
+            return release(self, submodule, *args, **kwargs)
+        finally:
+            for parameter in kept:
+                parameter.is_external_param = False
+
+    release_sub_module.keeps_frozen_weights = True
+    PartitionedParameterCoordinator.release_sub_module = release_sub_module
+
+
+def saving_merged(trainer):
+    """`trainer.save_model`, which for the run's final save (not a checkpoint's) writes the merged weights
+    and the tokenizer to the output folder and the adapter to `adapter/` beside them."""
+    save_model = trainer.save_model
+
+    @functools.wraps(save_model)
+    def save(output_dir=None, _internal_call=False):
+        if _internal_call:  # a checkpoint: transformers' own (the adapter, the optimizer state)
+            return save_model(output_dir, _internal_call)
+        output_dir = Path(output_dir or trainer.args.output_dir)
+        wrapped = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+        state = trainer.accelerator.get_state_dict(wrapped)  # gathered on every rank's call under ZeRO-3
+        if not trainer.args.should_save:
+            return None
+        adapted = trainer.accelerator.unwrap_model(trainer.model)
+        adapted.save_pretrained(output_dir / ADAPTER_DIR, state_dict=state)
+        base_model(adapted).save_pretrained(output_dir, state_dict=merged_state_dict(state, adapted))
+        tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(trainer.args, output_dir / "training_args.bin")
+        logger.info("merged weights saved to %s, the LoRA adapter to %s", output_dir, ADAPTER_DIR)
+        return None
+
+    trainer.save_model = save
+    return trainer
