@@ -106,7 +106,7 @@ PYTEST_SERIAL = PALU_SHARED=$(SHARED) $(PY) -m pytest -ra
 PYTEST = $(if $(filter-out 0,$(TEST_JOBS)),OMP_NUM_THREADS=1 )$(PYTEST_SERIAL) \
 	$(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 test:
-	$(PYTEST) --durations=25 -m "not distributed" tests
+	$(PYTEST) --durations=60 -m "not distributed" tests
 	$(PYTEST_SERIAL) --durations=5 -m distributed tests
 
 # The other framework stack's suite (CI runs it on STACK=4.51): the fast suite plus the tests marked

@@ -85,7 +85,7 @@ def test_the_run_stats_callback_writes_step_times_and_peak_memory(tmp_path):
     assert stats["peak_gpu_memory_bytes"] is None  # no CUDA here
 
 
-@pytest.mark.slow(minutes=4)
+@pytest.mark.slow(minutes=5)
 def test_gpu_check_on_cpu_runs_every_method_through_palu_train_then_palu_eval(tofu_dir, tmp_path):
     """The whole pipeline on CPU (fp32, small body at |V| = 32000, 3 steps): ~2 minutes on 2 cores."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
