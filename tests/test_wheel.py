@@ -143,6 +143,7 @@ def test_palu_train_eval_and_annotate_from_the_installed_wheel(
         "trainer.args.per_device_train_batch_size=4",
         "trainer.args.gradient_accumulation_steps=1",
         "trainer.args.logging_steps=1",
+        "trainer.args.eval_on_start=false",  # the stock trainer's evaluation before step 1: palu-eval's below
         "trainer.args.eval_strategy=no",
         "trainer.args.report_to=none",
         f"paths.output_dir={tmp_path / 'run'}",

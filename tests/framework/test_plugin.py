@@ -151,18 +151,32 @@ def test_help_is_a_short_usage_and_hydras_stays_reachable():
     assert full.returncode == 0 and "Powered by Hydra" in full.stdout and len(full.stdout.splitlines()) > 100
 
 
+# palu-train with every composition of the config counted (printed at exit)
+COUNTING_COMPOSITIONS = """
+import atexit, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+load = ConfigLoaderImpl.load_configuration
+calls = []
+ConfigLoaderImpl.load_configuration = lambda *args, **kwargs: calls.append(1) or load(*args, **kwargs)
+atexit.register(lambda: print(f"compositions: {len(calls)}", file=sys.stderr))
+sys.argv[0] = "palu-train"
+from palu_trainer.framework.cli import train_main
+train_main()
+"""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
 @pytest.mark.slow
 def test_a_cpu_run_without_the_cpu_overlay_stops_before_loading(tmp_path):
-    result = run_entry_point(
-        "--config-name=unlearn.yaml",
-        "experiment=unlearn/tofu/palu",
-        f"paths.output_dir={tmp_path}",
-        "task_name=t",
-    )
+    """The check runs in the job, on Hydra's run config; Hydra's mode probe reuses the precheck's config:
+    two compositions of the config, not three."""
+    command = [sys.executable, "-c", COUNTING_COMPOSITIONS, "--config-name=unlearn.yaml"]
+    command += ["experiment=unlearn/tofu/palu", f"paths.output_dir={tmp_path}", "task_name=t"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "palu-train: no CUDA device: add `+runtime=cpu` to the command line" in result.stderr
     assert "division by zero" not in result.stderr
+    assert "compositions: 2" in result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="+runtime=cpu")
