@@ -13,6 +13,7 @@ from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.local_mirrors import dataset_loads, redirect_to_local_mirrors
 from palu_trainer.framework.registry import register
+from palu_trainer.framework.trainer_config import trainer_config
 
 from ..conftest import make_tofu_mirror, write_jsonl
 
@@ -21,6 +22,17 @@ def compose_unlearn(overrides):
     register()
     with initialize_config_dir(config_dir=str(checkout_dir() / "configs"), version_base=None):
         return compose(config_name="unlearn.yaml", overrides=overrides, return_hydra_config=False)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "overrides"), [("PALU", ["trainer.method_args.top_k=all"]), ("SimNPO", []), ("TPO", [])]
+)
+def test_a_trainers_config_is_its_node_in_the_whole_composition(trainer, overrides):
+    """trainer_config leaves out the groups the trainer node does not read; the node is the same, resolved."""
+    whole = compose_unlearn([f"trainer={trainer}", "task_name=config", *overrides]).trainer
+    light = trainer_config(trainer, overrides)
+    assert OmegaConf.to_container(light, resolve=True) == OmegaConf.to_container(whole, resolve=True)
+    assert light.args.remove_unused_columns is False  # unlearn.yaml's own setting, on every trainer
 
 
 def test_palu_configs_are_found_through_the_search_path():
