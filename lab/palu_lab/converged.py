@@ -45,13 +45,25 @@ from palu_lab.miniature import (
 )
 from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import CONVERGED_KNOB_VALUES, METHODS, REAL_MODEL_METHODS
+from palu_trainer.experiments.methods import (
+    CONVERGED_KNOB_VALUES,
+    METHODS,
+    REAL_MODEL_BASELINES,
+    REAL_MODEL_METHODS,
+)
 from palu_trainer.framework.checkout import PROJECT_ROOT
 
 # The learning-rate grid, the same for every method. Pilot (issue 30's table, 8a3b9e1, seed 0, 10 epochs):
 # at 1e-5 PALU and TPO barely move (forget ROUGE 0.90, 0.88), at 3e-5 PALU's MU collapses while NPO and TPO
 # keep 88% of it, and 1e-4 (the 2-epoch table's upper rate) is where the others collapse too.
 LEARNING_RATES = (1e-5, 3e-5, 1e-4)
+# LoRA rows (issue 32, `--lora`): PALU and NPO with LoRA adapters (`+peft=lora`: r 16, alpha 32, every
+# linear layer of the body) under the same protocol and budget, reported apart (`lora/`). Their rates are the
+# grid's x LORA_RATE_FACTOR, the usual ratio of adapter to full-finetuning rates: an adapter's update is a
+# rank-16 product that starts at zero, so the same rate moves the model far less.
+LORA_OVERRIDE = "+peft=lora"
+LORA_METHODS = ("PALU", "NPO")
+LORA_RATE_FACTOR = 10
 CURVE_EPOCHS = (1, 2, 4, 6, 8)  # evaluated with the curve metrics; the last epoch with the full set
 # The curve metrics: the stock set without the ones the curves do not read (forget_quality computes the
 # forget truth ratios itself; model_utility its nine parts). Keys as the metric configs' @package names them.
@@ -140,12 +152,22 @@ def knob_grid(method: str, learning_rates: Sequence[float]) -> list[tuple[float,
     ]
 
 
-def tuning_runs(methods: Sequence[str], size: RealTofuSize) -> list[Run]:
+def learning_rates(size: RealTofuSize, lora: bool = False) -> tuple[float, ...]:
+    factor = LORA_RATE_FACTOR if lora else 1
+    # rounded: 3e-4 in run names and command lines, not 3.0000000000000003e-4
+    return tuple(round(rate * factor, 12) for rate in size.unlearn_learning_rates)
+
+
+def tuning_runs(methods: Sequence[str], size: RealTofuSize, lora: bool = False) -> list[Run]:
+    """Every method's tuning runs on seed 0; with `lora`, its LoRA rows ("PALU LoRA": adapters, LoRA's
+    rates)."""
+    adapters = ({"adapters": "LoRA"}, (LORA_OVERRIDE,)) if lora else ({}, ())
     return [
-        Run(method, method, size.seeds[0], rate, params, extra)
+        Run(f"{method} LoRA" if lora else method, method, size.seeds[0], rate, {**adapters[0], **params},
+            (*adapters[1], *extra))
         for method in methods
-        for rate, params, extra in knob_grid(method, size.unlearn_learning_rates)
-    ]
+        for rate, params, extra in knob_grid(method, learning_rates(size, lora))
+    ]  # fmt: skip
 
 
 def cliff_runs(size: RealTofuSize) -> list[Run]:
@@ -467,8 +489,9 @@ def run_minutes(size: RealTofuSize) -> float:
     return (unlearn + curve + size.eval_seconds) / 60
 
 
-def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int) -> list[str]:
-    tuning, cliff = tuning_runs(methods, size), cliff_runs(size) if "PALU" in methods else []
+def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool = False) -> list[str]:
+    tuning = tuning_runs(methods, size, lora)
+    cliff = cliff_runs(size) if "PALU" in methods and not lora else []
     seeds = len(methods) * (len(size.seeds) - 1)
     per_run, parallel = run_minutes(size), min(jobs, 2)
     total = (len(tuning) + seeds + len(cliff)) * per_run / parallel
@@ -479,8 +502,9 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int) -> list[st
         f"evaluated after epochs {list(evaluated_epochs(size.unlearn_epochs))} (FQ, MU, forget ROUGE) and "
         f"{size.unlearn_epochs} (the full stock set)",
         f"tuning on seed {size.seeds[0]}: {len(tuning)} runs, learning rates "
-        f"{list(size.unlearn_learning_rates)} "
-        "x two values of each method's knob:",
+        f"{list(learning_rates(size, lora))} "
+        + ("(LoRA adapters) " if lora else "")
+        + "x two values of each method's knob:",
         *(f"  {run.name}" for run in tuning),
         f"seeds {list(size.seeds[1:])} of each method's selected setting: {seeds} runs",
         f"PALU's utility cliff: {len(cliff)} runs at lr {cliff[0].learning_rate:g}:" if cliff else "",
@@ -511,11 +535,8 @@ def write_report(
         spreads[method] = aggregate(
             [report.EvaluatedModel(dict(curve.points[-1].metrics)) for curve in curves]
         )
-    lines = real_model.reading(spreads)
-    points = {
-        method: [p for curve in tuning if curve.run.method == method for p in curve.points]
-        for method in selected
-    }
+    lines = real_model.reading(spreads, extra["baselines"], extra["subject"])
+    points = {row: [p for curve in tuning if curve.run.row == row for p in curve.points] for row in selected}
     fronts = front_lines(points, original[UTILITY])
     curves = {
         method: curve_spreads(curves, {**original, "ks_d": ks_statistic(original[FORGETTING], forget_rows)})
@@ -527,7 +548,7 @@ def write_report(
     plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES)
     ks_column = (("ks_d", f"KS D·{forget_rows} ↓", "{:.1f}"),)
     markdown = [
-        "# Converged: PALU vs stock methods on SmolLM2-135M-Instruct at the paper's budget",
+        f"# Converged: {extra['title']} on SmolLM2-135M-Instruct at the paper's budget",
         "",
         f"Commit {extra['commit']}; command `{extra['command']}`; wall time {extra['wall_time_h']:.1f} h "
         "(stage times in converged.json).",
@@ -589,25 +610,26 @@ def write_report(
         "terms": {
             curve.run.name: logged_terms(curve) for curve in (*tuning, *cliff) if curve.run.method == "PALU"
         },
-        **{key: value for key, value in extra.items() if key != "notes"},
+        **{key: value for key, value in extra.items() if key not in ("notes", "baselines", "subject")},
     }
     paths["converged.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     return paths
 
 
 def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
-    size = TOFU_SIZES[args.size]
+    size, lora = TOFU_SIZES[args.size], args.lora
     if args.plan:
-        print("\n".join(plan_lines(methods, size, args.jobs)))
+        print("\n".join(plan_lines(methods, size, args.jobs, lora)))
         return {}
     commit = commit_of()
-    tuning_list = tuning_runs(methods, size)
-    cliff_list = cliff_runs(size) if "PALU" in methods else []
+    tuning_list = tuning_runs(methods, size, lora)
+    rows = list(dict.fromkeys(run.row for run in tuning_list))
+    cliff_list = cliff_runs(size) if "PALU" in methods and not lora else []
     runs = len(tuning_list) + len(cliff_list) + len(methods) * (len(size.seeds) - 1)
     stages = runs * (2 + len(evaluated_epochs(size.unlearn_epochs)))
     progress = start_run("tofu", "tofu", args.size, args.run_dir, stages)
     progress.say(f"commit {commit}")
-    for line in plan_lines(methods, size, args.jobs)[-1:]:
+    for line in plan_lines(methods, size, args.jobs, lora)[-1:]:
         progress.say(line)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = tofu_miniature(args, progress, pool)
@@ -615,23 +637,27 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         references = mini.references()
         original_utility = references["Original"].metrics[UTILITY] or 0.0
         selected = {}
-        for method in methods:
-            chosen = select([c for c in tuning if c.run.method == method], original_utility)
-            selected[method] = chosen.run
+        for row in rows:
+            chosen = select([c for c in tuning if c.run.row == row], original_utility)
+            selected[row] = chosen.run
             progress.say(f"selected {chosen.run.name}")
         more = seed_runs(selected, size.seeds)
         later = run_all(pool, lambda run_: unlearn_with_curve(mini, run_), [*more, *cliff_list])
     by_run = {curve.run: curve for curve in (*tuning, *later)}
-    seeded = {
-        method: [by_run[replace(run_, seed=seed)] for seed in size.seeds] for method, run_ in selected.items()
-    }
+    seeded = {row: [by_run[replace(run_, seed=s)] for s in size.seeds] for row, run_ in selected.items()}
     cliff = [by_run[run_] for run_ in cliff_list]
     wall = time.monotonic() - progress.start
     notes = [
         *mini.notes,
         real_model.fq_resolution(size.layout.forget_rows),
-        f"Learning rates {list(size.unlearn_learning_rates)} for every method (pilot: issue 30's table at "
-        "8a3b9e1); knob values: "
+        (
+            f"LoRA ({LORA_OVERRIDE}, configs/peft/lora.yaml): learning rates "
+            f"{list(learning_rates(size, lora))}, the full-finetuning grid x {LORA_RATE_FACTOR}; "
+            "knob values: "
+            if lora
+            else f"Learning rates {list(size.unlearn_learning_rates)} for every method (pilot: issue 30's "
+            "table at 8a3b9e1); knob values: "
+        )
         + "; ".join(f"{m} {METHODS[m].knob.name} {list(CONVERGED_KNOB_VALUES[m])}" for m in methods)
         + ".",
         f"Selection: {SCORECARD.selection_rule} (on the last epoch).",
@@ -649,9 +675,13 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "stage_times_s": progress.stage_times,
         "forget_rows": size.layout.forget_rows,
         "size": {**asdict(size), "methods": list(methods)},
+        "title": "PALU and NPO with LoRA adapters" if lora else "PALU vs stock methods",
+        "subject": "PALU LoRA" if lora else "PALU",
+        "baselines": [row for row in rows if row != "PALU LoRA"] if lora else REAL_MODEL_BASELINES,
         "notes": notes,
     }
-    paths = write_report(args.run_dir, references, tuning, selected, seeded, cliff, extra)
+    out_dir = args.run_dir / "lora" if lora else args.run_dir
+    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra)
     return progress.finish(paths)
 
 
@@ -659,8 +689,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m palu_lab.converged", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(model="smollm2", data="tofu")  # the real model on real TOFU, nothing else
+    parser.add_argument("--methods", nargs="+", choices=list(CONVERGED_KNOB_VALUES))
     parser.add_argument(
-        "--methods", nargs="+", choices=list(CONVERGED_KNOB_VALUES), default=list(REAL_MODEL_METHODS)
+        "--lora",
+        action="store_true",
+        help=f"the LoRA rows: {', '.join(LORA_METHODS)} with +peft=lora at LoRA's rates, reported in lora/",
     )
     parser.add_argument(
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
@@ -668,7 +701,7 @@ def main(argv=None) -> None:
     args = parse_arguments(parser, argv, "converged")
     args.size = "smollm2-converged" + ("-fast" if args.fast else "")
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    run(args, args.methods)
+    run(args, args.methods or list(LORA_METHODS if args.lora else REAL_MODEL_METHODS))
 
 
 if __name__ == "__main__":

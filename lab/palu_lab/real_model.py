@@ -311,28 +311,30 @@ def compare(first: str, second: str, rows: Mapping[str, Mapping[str, Spread | No
 
 
 def reading(
-    rows: Mapping[str, Mapping[str, Spread | None]], baselines: Sequence[str] = REAL_MODEL_BASELINES
+    rows: Mapping[str, Mapping[str, Spread | None]],
+    baselines: Sequence[str] = REAL_MODEL_BASELINES,
+    subject: str = "PALU",
 ) -> list[str]:
-    """The report's reading, computed from the rows' spreads over seeds: does PALU's FQ beat each baseline's
-    at equal utility, and by how much against the spread; do GPT-4o's spans and the reference model change
-    PALU's."""
-    if "PALU" not in rows:
-        return ["PALU was not run: no reading."]
+    """The report's reading, computed from the rows' spreads over seeds: does `subject`'s FQ (PALU's, or a
+    variant's row) beat each baseline's at equal utility, and by how much against the spread; do GPT-4o's
+    spans and the reference model change PALU's."""
+    if subject not in rows:
+        return [f"{subject} was not run: no reading."]
     present = [name for name in baselines if name in rows]
     verdicts, lines = {}, []
     for name in present:
-        verdicts[name], sentence = compare("PALU", name, rows)
+        verdicts[name], sentence = compare(subject, name, rows)
         lines.append(sentence)
     beaten = [name for name in present if verdicts[name] == "beats"]
     summary = (
-        f"PALU beats {', '.join(beaten)} on FQ at equal or higher utility on every seed"
+        f"{subject} beats {', '.join(beaten)} on FQ at equal or higher utility on every seed"
         if beaten
-        else "PALU beats none of " + ", ".join(present) + " on FQ on every seed at equal utility"
+        else f"{subject} beats none of " + ", ".join(present) + " on FQ on every seed at equal utility"
     )
     rest = [name for name in present if name not in beaten]
     if beaten and rest:
         summary += f"; not {', '.join(rest)}"
-    lines.insert(0, summary + " (FQ ranges over seeds apart, MU ranges overlapping or PALU's higher).")
+    lines.insert(0, summary + f" (FQ ranges over seeds apart, MU ranges overlapping or {subject}'s higher).")
     for extra, question in ((PALU_GPT4O, "Span quality"), (PALU_REFERENCE_MODEL, "Reference cache")):
         if extra in rows:
             lines.append(f"{question}: " + compare(extra, "PALU", rows)[1])

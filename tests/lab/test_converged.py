@@ -72,8 +72,11 @@ def test_pareto_front_and_best_at_utility():
 def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int, epochs: int) -> dict:
     """The fake eval's metrics for one run at one epoch."""
     share = epoch / epochs
-    strength = {1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0}[learning_rate]
-    base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6}[method]
+    if converged.LORA_OVERRIDE in overrides:  # adapters: the same strengths at LoRA's rates, PALU milder
+        learning_rate /= converged.LORA_RATE_FACTOR
+        method = "PALU-LoRA" if method == "PALU" else method
+    strength = {1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0}[round(learning_rate, 12)]
+    base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6, "PALU-LoRA": 0.3}[method]
     quality = min(1.0, 1e-4 * 10 ** (4 * base * strength * share))
     utility = ORIGINAL_MU * (1 - 0.15 * strength * share)
     if learning_rate == 3e-5 and method == "PALU":  # the cliff
@@ -208,6 +211,29 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert (len(framework.trained), len(framework.evaluated)) == (trained, evaluated)
     again = json.loads((out / "converged.json").read_text())
     assert again["rows"] == summary["rows"] and again["fronts"] == summary["fronts"]
+
+
+def test_the_lora_rows_end_to_end_on_a_fake_framework(fake_experiment):
+    """`--lora`: PALU and NPO with +peft=lora, the same tuning budget (3 rates x 2 knob values, 2 more seeds)
+    at LoRA's rates, no cliff study, reported in lora/ with rows named as LoRA rows."""
+    framework, arguments, out = fake_experiment
+    converged.main([*arguments, "--lora"])
+    assert len(framework.trained) == 2 * 6 + 2 * 2
+    assert all(converged.LORA_OVERRIDE in overrides for overrides in framework.trained)
+    rates = {part for overrides in framework.trained for part in overrides if "learning_rate=" in part}
+    assert rates == {f"trainer.args.learning_rate={rate}" for rate in (0.0001, 0.0003, 0.001)}
+    summary = json.loads((out / "lora" / "converged.json").read_text())
+    assert summary["selected"] == {
+        "PALU LoRA": "PALU_LoRA_lr0.001_lambda1_seed0",
+        "NPO LoRA": "NPO_LoRA_lr0.001_beta0.1_seed0",
+    }
+    assert summary["rows"]["PALU LoRA"]["forget_quality"]["seeds"] == 3
+    assert summary["reading"][0].startswith("PALU LoRA beats none of NPO LoRA")
+    assert summary["cliff"] == [] and "subject" not in summary
+    markdown = (out / "lora" / "converged.md").read_text()
+    assert markdown.startswith("# Converged: PALU and NPO with LoRA adapters")
+    assert "the full-finetuning grid x 10" in markdown and "| PALU LoRA |" in markdown
+    assert not (out / "converged.json").exists()  # the full-finetuning report is not touched
 
 
 def test_the_fast_variant_plans_two_epochs(capsys):
