@@ -49,6 +49,7 @@ from palu_trainer.experiments.methods import (
     CONVERGED_KNOB_VALUES,
     METHODS,
     REAL_MODEL_BASELINES,
+    REAL_MODEL_LORA_METHODS,
     REAL_MODEL_METHODS,
 )
 from palu_trainer.framework.checkout import PROJECT_ROOT
@@ -62,7 +63,6 @@ LEARNING_RATES = (1e-5, 3e-5, 1e-4)
 # grid's x LORA_RATE_FACTOR, the usual ratio of adapter to full-finetuning rates: an adapter's update is a
 # rank-16 product that starts at zero, so the same rate moves the model far less.
 LORA_OVERRIDE = "+peft=lora"
-LORA_METHODS = ("PALU", "NPO")
 LORA_RATE_FACTOR = 10
 CURVE_EPOCHS = (1, 2, 4, 6, 8)  # evaluated with the curve metrics; the last epoch with the full set
 # The curve metrics: the stock set without the ones the curves do not read (forget_quality computes the
@@ -693,7 +693,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--lora",
         action="store_true",
-        help=f"the LoRA rows: {', '.join(LORA_METHODS)} with +peft=lora at LoRA's rates, reported in lora/",
+        help=f"the LoRA rows: {', '.join(REAL_MODEL_LORA_METHODS)} with +peft=lora at LoRA's rates, in lora/",
     )
     parser.add_argument(
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
@@ -701,7 +701,7 @@ def main(argv=None) -> None:
     args = parse_arguments(parser, argv, "converged")
     args.size = "smollm2-converged" + ("-fast" if args.fast else "")
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    run(args, args.methods or list(LORA_METHODS if args.lora else REAL_MODEL_METHODS))
+    run(args, args.methods or list(REAL_MODEL_LORA_METHODS if args.lora else REAL_MODEL_METHODS))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,7 @@ GPU_CHECK_BASELINES = ("TPO", "NPO")
 # The real-model experiment (issue 21): the methods it runs by default, and those its reading compares
 # PALU with.
 REAL_MODEL_METHODS = ("GradDiff", "NPO", "SimNPO", "TPO", "PALU")
+REAL_MODEL_LORA_METHODS = ("PALU", "NPO")  # `make converged LORA=1`: its LoRA rows (issue 32)
 REAL_MODEL_BASELINES = ("NPO", "SimNPO", "TPO")
 
 
