@@ -146,7 +146,8 @@ convergence:
 converged:
 	$(PY) -m palu_lab.converged --data tofu --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
 		$(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
-		$(if $(METHODS),--methods $(METHODS)) $(if $(LORA),--lora) $(if $(PLAN),--plan)
+		$(if $(METHODS),--methods $(METHODS)) $(if $(LORA),--lora) $(if $(PLAN),--plan) \
+		$(if $(ARCHIVE),--archive $(ARCHIVE))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,11 +39,13 @@ from palu_lab.miniature import (
     RealTofuSize,
     add_arguments,
     epochs_of,
+    file_digest,
     parse_arguments,
     start_run,
     tofu_miniature,
 )
 from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
+from palu_lab.stage_archive import StageArchive, this_machine
 from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import (
     CONVERGED_KNOB_VALUES,
@@ -197,16 +199,17 @@ class Curve:
     seconds: float
 
 
-def unlearn_with_curve(mini: Miniature, run: Run) -> Curve:
+def unlearn_with_curve(mini: Miniature, run: Run, keep: Callable[[Path], None] | None = None) -> Curve:
     """Unlearn Original as `run` says, saving every epoch; evaluate the curve epochs' checkpoints and the
-    final model (each cached by the run's cache folder and epoch), then delete checkpoints and weights."""
+    final model (each cached by the run's cache folder and epoch), then delete checkpoints and weights and
+    `keep` (archive) the run's stage folders."""
     stages, epochs = mini.stages, mini.stages.size.unlearn_epochs
     out_dir, seconds = stages.unlearn_cached(
         run.method, run.learning_rate, mini.original_dir, run_overrides(run), run.name
     )
     checkpoints = {round(epochs_of(path)): path for path in out_dir.glob("checkpoint-*")}
     rows = stages.size.layout.forget_rows
-    points = []
+    points, eval_dirs = [], []
     for epoch in (*evaluated_epochs(epochs), epochs):
         final = epoch == epochs
         eval_json = stages.evaluate(
@@ -220,9 +223,12 @@ def unlearn_with_curve(mini: Miniature, run: Run) -> Curve:
         metrics = report.metrics_from_eval(eval_json, SCORECARD)
         metrics["ks_d"] = ks_statistic(metrics[FORGETTING], rows)
         points.append(Point(run, epoch, metrics))
+        eval_dirs.append(eval_json.parent)
     for path in out_dir.glob("checkpoint-*"):
         shutil.rmtree(path)
     (out_dir / "model.safetensors").unlink(missing_ok=True)
+    for stage_dir in (*eval_dirs, out_dir) if keep else ():  # the run last: it is finished once all are
+        keep(stage_dir)
     return Curve(run, points, out_dir, seconds)
 
 
@@ -631,9 +637,28 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
     progress.say(f"commit {commit}")
     for line in plan_lines(methods, size, args.jobs, lora)[-1:]:
         progress.say(line)
+    archive = StageArchive(args.archive, args.results / ".cache") if args.archive else None
+    if archive:
+        progress.say(f"restored {archive.restore()} finished stages from {args.archive}")
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = tofu_miniature(args, progress, pool)
-        tuning = run_all(pool, lambda run_: unlearn_with_curve(mini, run_), tuning_list)
+        keep = None
+        if archive:
+            origin = {
+                "original": file_digest(mini.original_dir / "model.safetensors")[:16],
+                "commit": commit,
+                "machine": this_machine(),
+            }
+            archive.keep(mini.retain_eval.result().parent, origin, aggregates_only=False)
+            archive.keep(mini.original_eval.result().parent, origin)
+
+            def keep(stage_dir: Path) -> None:
+                archive.keep(stage_dir, origin)
+
+        def unlearn(run_: Run) -> Curve:
+            return unlearn_with_curve(mini, run_, keep)
+
+        tuning = run_all(pool, unlearn, tuning_list)
         references = mini.references()
         original_utility = references["Original"].metrics[UTILITY] or 0.0
         selected = {}
@@ -642,7 +667,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             selected[row] = chosen.run
             progress.say(f"selected {chosen.run.name}")
         more = seed_runs(selected, size.seeds)
-        later = run_all(pool, lambda run_: unlearn_with_curve(mini, run_), [*more, *cliff_list])
+        later = run_all(pool, unlearn, [*more, *cliff_list])
     by_run = {curve.run: curve for curve in (*tuning, *later)}
     seeded = {row: [by_run[replace(run_, seed=s)] for s in size.seeds] for row, run_ in selected.items()}
     cliff = [by_run[run_] for run_ in cliff_list]
@@ -668,6 +693,13 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "Each unlearning run and evaluation is cached in results/.cache; checkpoints and weights are deleted "
         "once evaluated.",
     ]
+    if archive:
+        origins = ", ".join(f"{digest} ({count} runs)" for digest, count in archive.origins().items())
+        notes.append(
+            f"Archived in {args.archive} (continued across machines): Original is finetuned again from the "
+            f"same recipe and seed on each machine; the unlearning runs by the Original they started from "
+            f"(sha1 of its weights): {origins}."
+        )
     extra = {
         "commit": commit,
         "command": "make converged " + " ".join(args.argv),
@@ -697,6 +729,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
+    )
+    parser.add_argument(
+        "--archive",
+        type=Path,
+        help="keep finished stages' small files here (commit it) and restore them from it: a run that "
+        "continues on another machine",
     )
     args = parse_arguments(parser, argv, "converged")
     args.size = "smollm2-converged" + ("-fast" if args.fast else "")

@@ -491,13 +491,16 @@ class Stages:
     def unlearn_cached(
         self, method: str, learning_rate: float, original_dir: Path, extra=(), name=None, spans=None
     ) -> tuple[Path, float]:
-        """`unlearn`, once per content key (Original's weights, the data, the spans, this plugin's configs,
-        the command line): a stopped experiment that runs again continues from the runs it finished."""
+        """`unlearn`, once per content key (the recipe that made Original, the data, the spans, this plugin's
+        configs, the command line): a stopped experiment that runs again continues from the runs it finished.
+        Original is keyed by its stage folder, named by its recipe (`finetune`), not by its weights: a run
+        continued on another CPU, which finetunes Original again with different rounding, keeps its
+        finished runs (stage_archive.py)."""
         name = name or unlearning_run_name(method, {"lr": learning_rate})
         command = self.unlearn_overrides(method, learning_rate, original_dir, Path(name), extra, spans)
         span_file = spans or self.benchmark.span_annotations
         key = [
-            file_digest(original_dir / "model.safetensors"),
+            original_dir.name,
             *self.benchmark_digest(),
             *([file_digest(span_file)] if METHODS[method].uses_spans else []),
             file_digest(*CONFIG_DIR.rglob("*.yaml")),
@@ -608,8 +611,11 @@ def finetune_references(
     original = pool.submit(stages.finetune, "Original", model_dir, "full")
     retain = pool.submit(stages.finetune, "Retain", model_dir, retain_split)
     (original_dir, original_seconds), (retain_dir, retain_seconds) = original.result(), retain.result()
-    retain_eval = pool.submit(stages.evaluate, "Retain", retain_dir, None, cache=True)
-    original_eval = pool.submit(stages.evaluate, "Original", original_dir, retain_eval, cache=True)
+    # keyed by their recipes (stage folders), as the unlearning runs are (`Stages.unlearn_cached`)
+    retain_eval = pool.submit(stages.evaluate, "Retain", retain_dir, None, True, key=[retain_dir.name])
+    original_eval = pool.submit(
+        stages.evaluate, "Original", original_dir, retain_eval, True, key=[original_dir.name]
+    )
     return Miniature(
         stages=stages,
         vocab_size=vocab_size,

@@ -6,7 +6,9 @@ Scenario (per epoch e of E): FQ rises with the learning rate and e; MU falls wit
 highest rate (a cliff); PALU forgets most, and its scale-free variant keeps MU at the cliff's rate.
 """
 
+import hashlib
 import json
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -140,8 +142,9 @@ class FakeFramework:
 
 
 class FakeMiniature:
-    def __init__(self, stages, original_dir, retain_eval):
-        self.stages, self.original_dir, self.retain_eval = stages, original_dir, retain_eval
+    def __init__(self, stages, original_dir, original_eval, retain_eval):
+        self.stages, self.original_dir = stages, original_dir
+        self.original_eval, self.retain_eval = original_eval, retain_eval
         self.notes = ["Data: fake."]
 
     def references(self):
@@ -162,14 +165,21 @@ def fake_experiment(tmp_path, monkeypatch):
     original = tmp_path / "original"
     original.mkdir()
     (original / "model.safetensors").write_bytes(b"original")
-    retain_eval = Future()
-    retain_eval.set_result(tmp_path / "retain" / "TOFU_EVAL.json")
+    references = {}
+    for name in ("original", "retain"):  # finished evaluation stages
+        stage = tmp_path / f"eval-{name}"
+        stage.mkdir()
+        (stage / "demo_stage.json").write_text(json.dumps({"wall_time_s": 1.0}))
+        logs = {"forget_truth_ratio": {"agg_value": 0.6, "value_by_index": {"0": {"score": 0.6}}}}
+        (stage / "TOFU_EVAL.json").write_text(json.dumps(logs))
+        references[name] = Future()
+        references[name].set_result(stage / "TOFU_EVAL.json")
     framework = FakeFramework(SIZE.unlearn_epochs)
     monkeypatch.setattr(miniature, "run_framework", framework)
 
     def fake_miniature(args, progress, pool):
         stages = miniature.Stages(benchmark, SIZE, args.run_dir, args.results / ".cache", progress)
-        return FakeMiniature(stages, original, retain_eval)
+        return FakeMiniature(stages, original, references["original"], references["retain"])
 
     monkeypatch.setattr(converged, "tofu_miniature", fake_miniature)
     arguments = ["--data", "tofu", "--tofu-dir", str(tmp_path), "--results", str(tmp_path), "--jobs", "2"]
@@ -211,6 +221,38 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert (len(framework.trained), len(framework.evaluated)) == (trained, evaluated)
     again = json.loads((out / "converged.json").read_text())
     assert again["rows"] == summary["rows"] and again["fronts"] == summary["fronts"]
+
+
+def test_an_archived_experiment_continues_on_a_machine_without_its_cache(fake_experiment, tmp_path):
+    """`--archive`: every finished run's stages go to a folder small enough to commit (no weights, no
+    checkpoints; evaluations reduced to their aggregates, Retain's whole: later forget qualities read its
+    rows). With the cache gone, as on a new machine, the run restores them: nothing trains or evaluates
+    again, the report is the same, and it names the Original the runs started from."""
+    framework, arguments, out = fake_experiment
+    archive = tmp_path / "archive"
+    converged.main([*arguments, "--archive", str(archive)])
+    summary = json.loads((out / "converged.json").read_text())
+    runs = len(framework.trained)
+    assert len(list(archive.glob("unlearn-*/trainer_state.json"))) == runs
+    assert len(list(archive.glob("eval-*/TOFU_EVAL.json"))) == runs * 6 + 2
+    archived = [path.name for path in archive.rglob("*")]
+    assert not [name for name in archived if name.endswith(".safetensors") or name.startswith("checkpoint")]
+    assert (
+        "value_by_index"
+        in json.loads((archive / "eval-retain" / "TOFU_EVAL.json").read_text())["forget_truth_ratio"]
+    )
+    unlearned = next(path for path in archive.glob("eval-*/TOFU_EVAL.json") if "eval-r" not in str(path))
+    assert all(list(value) == ["agg_value"] for value in json.loads(unlearned.read_text()).values())
+    origin = json.loads(next(archive.glob("unlearn-*/origin.json")).read_text())
+    assert origin["original"] == hashlib.sha1(b"model.safetensors" + b"original").hexdigest()[:16]
+
+    shutil.rmtree(out.parent / ".cache")
+    trained, evaluated = len(framework.trained), len(framework.evaluated)
+    converged.main([*arguments, "--archive", str(archive)])
+    assert (len(framework.trained), len(framework.evaluated)) == (trained, evaluated)
+    again = json.loads((out / "converged.json").read_text())
+    assert again["rows"] == summary["rows"] and again["fronts"] == summary["fronts"]
+    assert f"{origin['original']} ({runs} runs)" in (out / "converged.md").read_text()
 
 
 def test_the_lora_rows_end_to_end_on_a_fake_framework(fake_experiment):

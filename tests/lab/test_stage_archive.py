@@ -1,0 +1,57 @@
+"""StageArchive: what a finished stage leaves in the committed archive, and what comes back from it."""
+
+import json
+
+import pytest
+
+from palu_lab.stage_archive import StageArchive
+
+
+def finished_stage(folder, name, logs):
+    stage = folder / name
+    stage.mkdir(parents=True)
+    (stage / "TOFU_EVAL.json").write_text(json.dumps(logs))
+    (stage / "model.safetensors").write_bytes(b"weights")
+    (stage / "demo_stage.json").write_text(json.dumps({"wall_time_s": 5.0}))
+    return stage
+
+
+def test_a_stage_is_archived_once_without_weights_and_restored_where_missing(tmp_path):
+    cache, folder = tmp_path / "cache", tmp_path / "archive"
+    logs = {"forget_quality": {"agg_value": 0.25, "value_by_index": {"0": 1}}, "note": "text"}
+    stage = finished_stage(cache, "eval-abc", logs)
+    archive = StageArchive(folder, cache)
+    archive.keep(stage, {"original": "first"})
+    archive.keep(stage, {"original": "second"})  # a later session's cached stage keeps its first origin
+    kept = folder / "eval-abc"
+    names = sorted(path.name for path in kept.iterdir())
+    assert names == ["TOFU_EVAL.json", "demo_stage.json", "origin.json"]
+    assert json.loads((kept / "TOFU_EVAL.json").read_text()) == {
+        "forget_quality": {"agg_value": 0.25},
+        "note": {"agg_value": "text"},
+    }
+    assert json.loads((kept / "origin.json").read_text()) == {"original": "first"}
+
+    (cache / "eval-abc" / "demo_stage.json").unlink()  # a stage the cache holds unfinished is replaced
+    finished_stage(cache, "eval-def", logs)  # a finished one is left alone
+    (folder / "eval-def").mkdir()  # an archive entry copied halfway (no marker) is not a stage
+    assert archive.restore() == 1
+    assert json.loads((cache / "eval-abc" / "TOFU_EVAL.json").read_text())["forget_quality"] == {
+        "agg_value": 0.25
+    }
+    assert (cache / "eval-def" / "model.safetensors").is_file()
+
+
+def test_an_unfinished_stage_is_not_archived(tmp_path):
+    stage = tmp_path / "cache" / "unlearn-abc"
+    stage.mkdir(parents=True)
+    with pytest.raises(ValueError, match="not a finished stage"):
+        StageArchive(tmp_path / "archive", tmp_path / "cache").keep(stage, {})
+    assert not (tmp_path / "archive").exists()
+
+
+def test_origins_count_the_unlearning_runs_by_original(tmp_path):
+    archive = StageArchive(tmp_path / "archive", tmp_path / "cache")
+    for name, digest in (("unlearn-a", "x"), ("unlearn-b", "x"), ("unlearn-c", "y"), ("eval-d", "y")):
+        archive.keep(finished_stage(tmp_path / "cache", name, {}), {"original": digest})
+    assert archive.origins() == {"x": 2, "y": 1}
