@@ -134,3 +134,24 @@ def test_gpu_check_on_cpu_runs_every_method_through_palu_train_then_palu_eval(to
     for label in gpu_check.LORA_RUNS:
         assert (tmp_path / "runs" / gpu_check.slug(label) / "adapter" / "adapter_model.safetensors").is_file()
     assert "gpu-check passed: 6 runs and palu-eval" in out
+
+
+def test_the_model_is_initialised_on_the_device_asked_and_every_shard_is_counted(
+    tofu_dir, tmp_path, monkeypatch
+):
+    """The 8B case initialises on the GPU (minutes on the CPU) and is saved in shards
+    (model-0000k-of-0000n.safetensors): the parameter count reads every one."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from palu_trainer.experiments.tiny import make_tiny_model, train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["a tiny text"] * 4, 300)
+    assert next(make_tiny_model(tokenizer, device="meta").parameters()).device.type == "meta"
+    save = PreTrainedModel.save_pretrained
+    monkeypatch.setattr(
+        PreTrainedModel, "save_pretrained", lambda self, to, **kw: save(self, to, max_shard_size="2MB", **kw)
+    )
+    parameters = gpu_check.make_model(tofu_dir, tmp_path / "model", gpu_check.CPU_SIZE)
+    assert len(list((tmp_path / "model").glob("*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert parameters == sum(parameter.numel() for parameter in model.parameters()) > 4_000_000

@@ -188,9 +188,9 @@ def make_tofu_mirror(tofu_dir: Path, mirror: Path, eval_rows: int | None = None)
     return mirror
 
 
-def make_model(tofu_dir: Path, directory: Path, size: CheckSize, dtype=None) -> int:
+def make_model(tofu_dir: Path, directory: Path, size: CheckSize, dtype=None, device=None) -> int:
     """Tokenizer (TOFU-trained BPE padded to the size's |V|) and a random-init Llama (weights in `dtype`,
-    fp32 unless given); returns its parameters."""
+    fp32 unless given, initialised on `device`); returns its parameters."""
     rows = read_jsonl(tofu_dir / "full.json")
     texts = [row["question"] + "\n" + row["answer"] for row in rows]
     save_tiny_model(
@@ -205,9 +205,13 @@ def make_model(tofu_dir: Path, directory: Path, size: CheckSize, dtype=None) -> 
         num_kv_heads=size.num_kv_heads,
         intermediate_size=size.intermediate_size,
         dtype=dtype,
+        device=device,
     )
-    with safe_open(directory / "model.safetensors", "pt") as weights:
-        return sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    parameters = 0
+    for shard in directory.glob("*.safetensors"):  # an 8B model is saved in shards
+        with safe_open(shard, "pt") as weights:
+            parameters += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return parameters
 
 
 def model_overrides(model_dir: Path) -> list[str]:
@@ -429,7 +433,7 @@ def main(argv=None) -> None:
     started = time.monotonic()
     parameters = make_model(args.tofu_dir, out / "model", size)
     if set(LORA_RUNS) & set(train) and not args.cpu:
-        lora_parameters = make_model(args.tofu_dir, lora_model, lora_size, dtype=torch.bfloat16)
+        lora_parameters = make_model(args.tofu_dir, lora_model, lora_size, torch.bfloat16, device="cuda")
         print(f"LoRA model: {lora_parameters / 1e9:.2f}B parameters ({time.monotonic() - started:.0f} s)")
     mirror = make_tofu_mirror(args.tofu_dir, out / "tofu", size.eval_rows)
     print(

@@ -69,13 +69,15 @@ def make_tiny_model(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     dtype=None,
+    device: str | None = None,
     **config_overrides,
 ):
     """A randomly initialised causal LM of `model_type` (llama, qwen3, gemma2, gemma3_text, …: any the
     installed transformers knows) sized to the tokenizer's vocabulary; tied output embeddings as
     Llama-3.2-1B, SmolLM2 and Gemma, untied as Llama-2-7B. Key-value heads as many as query heads and an
-    MLP 4 x hidden unless given; `dtype` of the weights (fp32 unless given); `config_overrides` go to its
-    config."""
+    MLP 4 x hidden unless given; `dtype` of the weights (fp32 unless given); `device` to initialise them on
+    (the CPU unless given: an 8B model's random init takes minutes there, a second on a GPU);
+    `config_overrides` go to its config."""
     import torch
 
     torch.manual_seed(seed)
@@ -95,7 +97,8 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         **config_overrides,
     )
-    return AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    with torch.device(device or "cpu"):
+        return AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
 
 
 def save_tiny_model(
