@@ -649,8 +649,11 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
                 "commit": commit,
                 "machine": this_machine(),
             }
-            archive.keep(mini.retain_eval.result().parent, origin, aggregates_only=False)
-            archive.keep(mini.original_eval.result().parent, origin)
+            # archived when they finish, without holding the runs back
+            mini.retain_eval.add_done_callback(
+                lambda done: archive.keep(done.result().parent, origin, aggregates_only=False)
+            )
+            mini.original_eval.add_done_callback(lambda done: archive.keep(done.result().parent, origin))
 
             def keep(stage_dir: Path) -> None:
                 archive.keep(stage_dir, origin)
