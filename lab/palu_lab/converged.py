@@ -92,13 +92,24 @@ CLIFF_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # label: (name in ru
     "N=1": ("n1", ("num_initiating_tokens=1",)),
     "scale-free local loss": ("scale-reference", ("trainer.method_args.local_loss_scale=reference",)),
 }
-CURVE_EVAL_SECONDS = 165.0  # forget truth ratios 90 s, forget ROUGE 14 s, MU's sets 58 s (miniature.py)
+# MU's sets (retain, real authors, world facts) hold 40 rows each here, not the 2-epoch layout's 10. MU is the
+# harmonic mean of nine parts, and on 10 rows Original's world-facts ROUGE is 0.2 (two answers): one answer
+# more or less moves MU by about 18%, or to 0. Measured at 4bf92d4 (10 rows): GradDiff lr 1e-5 alpha 1 had MU
+# 0.40, 0.33, 0.40, 0.33, 0.42, 0.32 at epochs 1-10, alpha 2 had 0 at epoch 6, between 0.40 and 0.31; "MU at
+# least 90% of the Original's" would read one world fact. On 40 rows one answer moves MU by about 4%.
+CONVERGED_LAYOUT = replace(SMOLLM2.layout, eval_rows=40)
+# Seconds of one curve evaluation and one full one beside another job, fp32: at 4bf92d4 with 10-row MU sets,
+# 200-225 s and 435-453 s (an Intel Xeon with AVX-512), of which MU's sets were about a third of a curve
+# evaluation; estimated here with 4 x their rows.
+CURVE_EVAL_SECONDS = 440.0
 
 # fp32 throughout: bf16 autocast needs a CPU with bf16 instructions (avx512_bf16, AMX), and the machines that
 # run this differ. On an AMD EPYC with AVX2 only, a bf16-autocast training step of Original took 209 s
 # (8 s on the avx512_bf16 machine of the 2-epoch experiment); one precision keeps every stage comparable.
 CONVERGED = replace(
     SMOLLM2,
+    layout=CONVERGED_LAYOUT,
+    eval_seconds=670.0,
     bf16=False,
     unlearn_epochs=10,
     unlearn_learning_rates=LEARNING_RATES,
@@ -491,7 +502,8 @@ def run_minutes(size: RealTofuSize) -> float:
     the curve evaluations and the final full one, a process start each."""
     steps = math.ceil(size.layout.forget_rows / size.unlearn_batch_size) * size.unlearn_epochs
     unlearn = real_model.UNLEARN_STEP_WORK * steps * size.step_seconds + size.process_seconds
-    curve = len(evaluated_epochs(size.unlearn_epochs)) * (CURVE_EVAL_SECONDS * size.eval_seconds / 300.0)
+    curve_seconds = CURVE_EVAL_SECONDS * size.eval_seconds / CONVERGED.eval_seconds
+    curve = len(evaluated_epochs(size.unlearn_epochs)) * curve_seconds
     return (unlearn + curve + size.eval_seconds) / 60
 
 
@@ -506,7 +518,8 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool
         f"{size.unlearn_epochs} epochs (the first a warm-up), batch {size.unlearn_batch_size}",
         real_model.fq_resolution(size.layout.forget_rows),
         f"evaluated after epochs {list(evaluated_epochs(size.unlearn_epochs))} (FQ, MU, forget ROUGE) and "
-        f"{size.unlearn_epochs} (the full stock set)",
+        f"{size.unlearn_epochs} (the full stock set); MU on {size.layout.eval_rows or 'all'} rows of each "
+        "of its sets (retain, real authors, world facts)",
         f"tuning on seed {size.seeds[0]}: {len(tuning)} runs, learning rates "
         f"{list(learning_rates(size, lora))} "
         + ("(LoRA adapters) " if lora else "")

@@ -50,6 +50,8 @@ def test_the_plan_is_the_issues_protocol():
     assert all("trainer.method_args.kl_weight=1.0" in run.extra for run in cliff)
     assert any("trainer.method_args.local_loss_scale=reference" in run.extra for run in cliff)
     assert converged.evaluated_epochs(10) == (1, 2, 4, 6, 8)
+    # one world-facts answer more or less moves MU by ~4% on 40 rows (~18% on 10: MU's steps, not methods)
+    assert SIZE.layout.eval_rows == 40
 
 
 def test_ks_statistic_is_read_off_the_ladder():
