@@ -58,8 +58,11 @@ from palu_trainer.framework.checkout import PROJECT_ROOT
 
 # The learning-rate grid, the same for every method. Pilot (issue 30's table, 8a3b9e1, seed 0, 10 epochs):
 # at 1e-5 PALU and TPO barely move (forget ROUGE 0.90, 0.88), at 3e-5 PALU's MU collapses while NPO and TPO
-# keep 88% of it, and 1e-4 (the 2-epoch table's upper rate) is where the others collapse too.
-LEARNING_RATES = (1e-5, 3e-5, 1e-4)
+# keep 88% of it. 1e-4 (the 2-epoch table's upper rate) was the top until SimNPO's own tuning runs (aa11273):
+# at 1e-4 it kept 85-86% of Original's MU after 10 epochs (forget ROUGE 0.48-0.50, FQ 5e-4), since the stock
+# SimNPO's forget gradient is npo_coeff 0.125 of GradDiff's at a memorised answer. 3e-4 extends the grid
+# towards its collapse, for every method alike.
+LEARNING_RATES = (1e-5, 3e-5, 1e-4, 3e-4)
 # LoRA rows (issue 32, `--lora`): PALU and NPO with LoRA adapters (`+peft=lora`: r 16, alpha 32, every
 # linear layer of the body) under the same protocol and budget, reported apart (`lora/`). Their rates are the
 # grid's x LORA_RATE_FACTOR, the usual ratio of adapter to full-finetuning rates: an adapter's update is a
@@ -98,10 +101,9 @@ CLIFF_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # label: (name in ru
 # 0.40, 0.33, 0.40, 0.33, 0.42, 0.32 at epochs 1-10, alpha 2 had 0 at epoch 6, between 0.40 and 0.31; "MU at
 # least 90% of the Original's" would read one world fact. On 40 rows one answer moves MU by about 4%.
 CONVERGED_LAYOUT = replace(SMOLLM2.layout, eval_rows=40)
-# Seconds of one curve evaluation and one full one beside another job, fp32: at 4bf92d4 with 10-row MU sets,
-# 200-225 s and 435-453 s (an Intel Xeon with AVX-512), of which MU's sets were about a third of a curve
-# evaluation; estimated here with 4 x their rows.
-CURVE_EVAL_SECONDS = 440.0
+# Seconds of one curve evaluation beside another job, fp32, 40-row MU sets: 364-453 s measured at aa11273 (an
+# Intel Xeon with AVX-512); the final full one 603-696 s.
+CURVE_EVAL_SECONDS = 410.0
 
 # fp32 throughout: bf16 autocast needs a CPU with bf16 instructions (avx512_bf16, AMX), and the machines that
 # run this differ. On an AMD EPYC with AVX2 only, a bf16-autocast training step of Original took 209 s
@@ -109,7 +111,7 @@ CURVE_EVAL_SECONDS = 440.0
 CONVERGED = replace(
     SMOLLM2,
     layout=CONVERGED_LAYOUT,
-    eval_seconds=670.0,
+    eval_seconds=650.0,
     bf16=False,
     unlearn_epochs=10,
     unlearn_learning_rates=LEARNING_RATES,
@@ -697,7 +699,8 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             "knob values: "
             if lora
             else f"Learning rates {list(size.unlearn_learning_rates)} for every method (pilot: issue 30's "
-            "table at 8a3b9e1); knob values: "
+            "table at 8a3b9e1; 3e-4 added when SimNPO at 1e-4 kept 85-86% of MU, docs/real-model.md); knob "
+            "values: "
         )
         + "; ".join(f"{m} {METHODS[m].knob.name} {list(CONVERGED_KNOB_VALUES[m])}" for m in methods)
         + ".",
@@ -710,11 +713,14 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "once evaluated.",
     ]
     if archive:
-        origins = ", ".join(f"{digest} ({count} runs)" for digest, count in archive.origins().items())
+        origins, commits = (
+            ", ".join(f"{value} ({count} runs)" for value, count in archive.origins(field).items())
+            for field in ("original", "commit")
+        )
         notes.append(
             f"Archived in {args.archive} (continued across machines): Original is finetuned again from the "
             f"same recipe and seed on each machine; the unlearning runs by the Original they started from "
-            f"(sha1 of its weights): {origins}."
+            f"(sha1 of its weights): {origins}; by the commit that ran them: {commits}."
         )
     extra = {
         "commit": commit,

@@ -7,7 +7,8 @@ quality of every later evaluation reads its per-row truth ratios) into a folder 
 it back into an empty cache. Weights are never archived: the finetuned Original and Retain are made again
 from their recipe on each machine, and every stage that reads them is keyed by that recipe, not by their
 bytes, which differ between CPUs. Each archived stage records the digest of the Original it unlearned
-(`origin.json`), so that a report can say how many Originals its runs came from.
+(`origin.json`, with the commit that ran it), so that a report can say how many Originals and commits its
+runs came from.
 """
 
 import json
@@ -62,12 +63,12 @@ class StageArchive:
                 shutil.copyfile(source, target / name)
         (target / ORIGIN).write_text(json.dumps(origin, indent=1) + "\n")
 
-    def origins(self) -> dict[str, int]:
-        """Stages per Original digest, over the archived unlearning runs."""
+    def origins(self, field: str = "original") -> dict[str, int]:
+        """Archived unlearning runs per value of their origin's `field` (Original's digest, the commit)."""
         counts: dict[str, int] = {}
         for path in sorted(self.folder.glob("unlearn-*/" + ORIGIN)):
-            digest = json.loads(path.read_text()).get("original", "unknown")
-            counts[digest] = counts.get(digest, 0) + 1
+            value = json.loads(path.read_text()).get(field, "unknown")
+            counts[value] = counts.get(value, 0) + 1
         return counts
 
 

@@ -50,8 +50,14 @@ def test_an_unfinished_stage_is_not_archived(tmp_path):
     assert not (tmp_path / "archive").exists()
 
 
-def test_origins_count_the_unlearning_runs_by_original(tmp_path):
+def test_origins_count_the_unlearning_runs_by_original_and_commit(tmp_path):
     archive = StageArchive(tmp_path / "archive", tmp_path / "cache")
-    for name, digest in (("unlearn-a", "x"), ("unlearn-b", "x"), ("unlearn-c", "y"), ("eval-d", "y")):
-        archive.keep(finished_stage(tmp_path / "cache", name, {}), {"original": digest})
+    for name, digest, commit in (
+        ("unlearn-a", "x", "c1"),
+        ("unlearn-b", "x", "c2"),
+        ("unlearn-c", "y", "c2"),
+        ("eval-d", "y", "c1"),
+    ):
+        archive.keep(finished_stage(tmp_path / "cache", name, {}), {"original": digest, "commit": commit})
     assert archive.origins() == {"x": 2, "y": 1}
+    assert archive.origins("commit") == {"c1": 1, "c2": 2}
