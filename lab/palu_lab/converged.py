@@ -102,7 +102,7 @@ CLIFF_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # label: (name in ru
 # least 90% of the Original's" would read one world fact. On 40 rows one answer moves MU by about 4%.
 CONVERGED_LAYOUT = replace(SMOLLM2.layout, eval_rows=40)
 # Seconds of one curve evaluation beside another job, fp32, 40-row MU sets: 364-453 s measured at aa11273 (an
-# Intel Xeon with AVX-512); the final full one 603-696 s.
+# Intel Xeon with AVX-512); the final full one 575-696 s.
 CURVE_EVAL_SECONDS = 410.0
 
 # fp32 throughout: bf16 autocast needs a CPU with bf16 instructions (avx512_bf16, AMX), and the machines that
