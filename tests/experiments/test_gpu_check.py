@@ -87,7 +87,7 @@ def test_the_run_stats_callback_writes_step_times_and_peak_memory(tmp_path):
 
 
 @pytest.mark.slow(minutes=5)
-def test_gpu_check_on_cpu_runs_every_method_through_palu_train_then_palu_eval(tofu_dir, tmp_path):
+def test_gpu_check_on_cpu_trains_its_cache_and_lora_runs_then_evaluates(tofu_dir, tmp_path):
     """The whole pipeline on CPU (fp32, small body at |V| = 32000, 3 steps): the runs that only this script
     makes (PALU with its cache, then evaluated, and the two LoRA runs); PALU without the cache, TPO and NPO
     go through the same code with the overrides that test_integration.py runs per method."""
