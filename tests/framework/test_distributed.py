@@ -140,7 +140,15 @@ def run(launcher, overrides, data, model_dir, out_dir, processes):
         ],
         *overrides,
     ]
-    env = {**os.environ, "TOFU_DIR": str(mirror), "LOCAL_SIZE": str(processes), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts at exit ("terminate called without an active exception", seen
+    # twice on a loaded machine after every step had finished) prints every thread's Python stack.
+    env = {
+        **os.environ,
+        "TOFU_DIR": str(mirror),
+        "LOCAL_SIZE": str(processes),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
