@@ -362,37 +362,50 @@ def plot_curves(path: Path, curves: Mapping[str, dict[int, dict]], retain: Mappi
 
 def plot_fronts(path: Path, points: Mapping[str, list[Point]], references: Mapping, shares) -> None:
     """MU (x) vs FQ (y, log): every tuning run at every evaluated epoch (faint), each method's Pareto front
-    (line), the Original (star), Retain (plus) and the equal-utility floors (dotted)."""
+    (line), the Original (star), Retain (plus) and the equal-utility floors (dotted); left every point, right
+    the region the floors ask about (MU from 75% of the Original's). FQ more than ten times below the
+    Original's (a model further from Retain than the Original; a collapsed one reaches 1e-23) is drawn at
+    that bottom line, which would otherwise stretch the axis over 20 decades."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5.5))
-    for method, method_points in points.items():
-        quality = [max(p.quality, report.FQ_FLOOR) for p in method_points]
-        dots = axes.scatter([p.utility for p in method_points], quality, s=12, alpha=0.3)
-        front = pareto_front(method_points)
-        axes.plot(
-            [p.utility for p in front], [max(p.quality, report.FQ_FLOOR) for p in front],
-            marker="o", color=dots.get_facecolor()[0][:3], label=f"{method} front",
-        )  # fmt: skip
     original, retain = references["Original"].metrics, references["Retain"].metrics
-    axes.plot(
-        [original[UTILITY]], [max(original[FORGETTING], report.FQ_FLOOR)], "k*", ms=12, label="Original"
-    )
-    axes.plot([retain[UTILITY]], [retain[FORGETTING]], "kP", ms=10, label="Retain")
-    for share in shares:
-        axes.axvline(share * original[UTILITY], color="gray", ls=":", lw=1)
-        axes.annotate(
-            f"{share:.0%} of Original's MU", (share * original[UTILITY], 1e-1), rotation=90, fontsize=7
-        )
-    axes.set_yscale("log")
-    axes.set_xlabel("model utility (MU) ↑")
-    axes.set_ylabel("forget quality (log) ↑")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    axes.set_title("Every tuning run at every evaluated epoch (seed 0); lines: Pareto fronts")
+    bottom = max(original[FORGETTING], report.FQ_FLOOR) / 10
+
+    def shown(quality: float) -> float:
+        return max(quality, bottom)
+
+    figure, panels = plt.subplots(1, 2, figsize=(14.5, 5.5))
+    for axes in panels:
+        for method, method_points in points.items():
+            dots = axes.scatter(
+                [p.utility for p in method_points], [shown(p.quality) for p in method_points], s=12, alpha=0.3
+            )
+            front = pareto_front(method_points)
+            axes.plot(
+                [p.utility for p in front], [shown(p.quality) for p in front],
+                marker="o", color=dots.get_facecolor()[0][:3], label=f"{method} front",
+            )  # fmt: skip
+        axes.plot([original[UTILITY]], [shown(original[FORGETTING])], "k*", ms=12, label="Original")
+        axes.plot([retain[UTILITY]], [retain[FORGETTING]], "kP", ms=10, label="Retain")
+        for share, style in zip(shares, (":", "-.")):
+            axes.axvline(
+                share * original[UTILITY], color="gray", ls=style, lw=1, label=f"{share:.0%} of Original's MU"
+            )
+        axes.set_yscale("log")
+        axes.set_ylim(bottom / 2, 2)
+        axes.set_xlabel("model utility (MU) ↑")
+        axes.grid(True, which="both", alpha=0.3)
+    panels[0].set_ylabel(f"forget quality (log) ↑; below {bottom:.2g} drawn at it")
+    panels[0].set_title("every point")
+    utilities = [p.utility for method_points in points.values() for p in method_points]
+    low = 0.75 * original[UTILITY]
+    panels[1].set_xlim(low, max([*utilities, original[UTILITY], retain[UTILITY]]) + 0.01)
+    panels[1].set_title(f"MU ≥ {low:.3f} (75% of the Original's): the equal-utility floors")
+    panels[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
+    figure.suptitle("Every tuning run at every evaluated epoch (seed 0); lines: each method's Pareto front")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -568,11 +581,14 @@ def write_report(
     plot_curves(paths["curves.png"], curves, references["Retain"].metrics, forget_rows)
     plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES)
     ks_column = (("ks_d", f"KS D·{forget_rows} ↓", "{:.1f}"),)
+    machine = extra["machine_time_h"]
     markdown = [
         f"# Converged: {extra['title']} on SmolLM2-135M-Instruct at the paper's budget",
         "",
-        f"Commit {extra['commit']}; command `{extra['command']}`; wall time {extra['wall_time_h']:.1f} h "
-        "(stage times in converged.json).",
+        f"Commit {extra['commit']}; command `{extra['command']}`. Machine time {machine:.1f} h: the "
+        f"{len(extra['made_times_s'])} stages' own times when they were made (cached ones included), "
+        f"{extra['jobs']} at a time, so about {machine / extra['jobs']:.1f} h of wall time; this invocation "
+        f"took {extra['wall_time_h']:.1f} h (stage times in converged.json).",
         "",
         "## Table: each method's selected setting after 10 epochs, mean [min–max] over seeds",
         "",
@@ -609,7 +625,14 @@ def write_report(
         )
         table, cliff_reading = cliff_table(base, cliff, original[UTILITY])
         markdown += ["## PALU's utility cliff", "", table, "", *(f"- {line}" for line in cliff_reading), ""]
-    markdown += ["## How the numbers were made", "", *extra["notes"], ""]
+    notes = list(extra["notes"])
+    if not any(spread.get("fluency") for spread in spreads.values()):
+        notes.append(
+            f"Fluency is — in every row: its classifier ({report.FLUENCY_CLASSIFIER}) was not in this "
+            "machine's Hugging Face cache, so the evaluations ran without it "
+            "(report.fluency_classifier_available)."
+        )
+    markdown += ["## How the numbers were made", "", *notes, ""]
     paths["converged.md"].write_text("\n".join(markdown), encoding="utf-8")
     summary = {
         "reading": lines,
@@ -726,7 +749,10 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "commit": commit,
         "command": "make converged " + " ".join(args.argv),
         "wall_time_h": wall / 3600,
+        "machine_time_h": sum(progress.made_times.values()) / 3600,
+        "jobs": args.jobs,
         "stage_times_s": progress.stage_times,
+        "made_times_s": progress.made_times,
         "forget_rows": size.layout.forget_rows,
         "size": {**asdict(size), "methods": list(methods)},
         "title": "PALU and NPO with LoRA adapters" if lora else "PALU vs stock methods",

@@ -226,6 +226,9 @@ class Progress:
         self.total = total_stages
         self.done = 0
         self.stage_times: dict[str, float] = {}
+        # seconds each stage took when it was made, this run or an earlier one (cached): a run that spans
+        # restarts states its machine time from these, not from its last invocation's wall time
+        self.made_times: dict[str, float] = {}
         self.lock = threading.Lock()  # stages finish on worker threads
 
     def say(self, message: str) -> None:
@@ -238,10 +241,12 @@ class Progress:
             print(f"{label}: {path}")
         return paths
 
-    def stage(self, name: str, seconds: float, note: str = "") -> None:
+    def stage(self, name: str, seconds: float, note: str = "", made_in: float | None = None) -> None:
+        """`made_in`: a cached stage's seconds when it was made (default: `seconds`)."""
         with self.lock:
             self.done += 1
             self.stage_times[name] = round(seconds, 1)
+            self.made_times[name] = round(seconds if made_in is None else made_in, 1)
             self.say(f"({self.done}/{self.total}) {name}: {seconds:.0f} s{note}")
 
 
@@ -325,7 +330,7 @@ class Stages:
         done = out_dir / "demo_stage.json"
         if done.is_file():
             seconds = json.loads(done.read_text())["wall_time_s"]
-            self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)")
+            self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)", seconds)
             return out_dir, seconds
         shutil.rmtree(out_dir, ignore_errors=True)
         seconds = produce(out_dir)

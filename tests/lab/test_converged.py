@@ -225,6 +225,14 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert (len(framework.trained), len(framework.evaluated)) == (trained, evaluated)
     again = json.loads((out / "converged.json").read_text())
     assert again["rows"] == summary["rows"] and again["fronts"] == summary["fronts"]
+    # its machine time is the stages' own, made in the first run: a run continued across restarts states it
+    made = [seconds for name, seconds in again["made_times_s"].items() if name.startswith("unlearn ")]
+    assert len(made) == len(framework.trained) and min(made) > 0
+    assert not any(
+        again["stage_times_s"][name] for name in again["made_times_s"] if name.startswith("unlearn ")
+    )
+    assert again["machine_time_h"] == pytest.approx(summary["machine_time_h"])
+    assert "Fluency is — in every row" in markdown
 
 
 def test_an_archived_experiment_continues_on_a_machine_without_its_cache(fake_experiment, tmp_path):
