@@ -121,6 +121,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def fault_stacks(stderr: str) -> str:
+    """The fault handler's thread stacks of a rank that aborted, which the list of extension modules after
+    them pushes out of the last 8,000 characters (CI's third sighting of the abort at exit lost them so)."""
+    start = stderr.find("Fatal Python error")
+    if start < 0:
+        return ""
+    end = stderr.find("Extension modules", start)
+    return "\n--- fault handler ---\n" + stderr[start : end if end > 0 else start + 8000][:8000] + "\n---\n"
+
+
 def run(launcher, overrides, data, model_dir, out_dir, processes):
     mirror, annotations, *_ = data
     spans = [] if "trainer=NPO" in overrides else [f"span_annotations={annotations}"]
@@ -150,7 +160,7 @@ def run(launcher, overrides, data, model_dir, out_dir, processes):
         "PYTHONFAULTHANDLER": "1",
     }
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert result.returncode == 0, result.stdout[-4000:] + fault_stacks(result.stderr) + result.stderr[-8000:]
     history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
     return [entry for entry in history if "loss" in entry], load_file(out_dir / "model.safetensors")
 
