@@ -476,7 +476,7 @@ def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float)
             report.format_value(final.get("retain_rouge"), "{:.3f}"),
             *(f"{b.quality:.3g} (ep {b.epoch})" if b else "—" for b in best),
         ]  # fmt: skip
-        lines.append("| " + " | ".join([label, *cells]) + " |")
+        lines.append("| " + " | ".join([label.replace("|", "\\|"), *cells]) + " |")
     base_label = rows[0][0]
     reading = []
     for index, share in enumerate(UTILITY_SHARES):
@@ -747,7 +747,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         )
     extra = {
         "commit": commit,
-        "command": "make converged " + " ".join(args.argv),
+        "command": "python -m palu_lab.converged " + " ".join(args.argv),
         "wall_time_h": wall / 3600,
         "machine_time_h": sum(progress.made_times.values()) / 3600,
         "jobs": args.jobs,

@@ -216,6 +216,10 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert at_80.startswith("At MU ≥ 80% of the Original's, the paper's form reaches FQ")
     markdown = (out / "converged.md").read_text()
     assert "| paper (λ=1, lr 3e-05) | 41.4 / 0 / 0.007 | 779 / 0 / 3 (780) |" in markdown
+    # every cliff row has the header's cells: a label's own "|" (K=1% of |V|) would shift the row's cells
+    cliff_lines = markdown.split("## PALU's utility cliff")[1].split("\n\n")[1].splitlines()
+    cells = [len(line.replace("\\|", "").split("|")) for line in cliff_lines]
+    assert len(cliff_lines) == 2 + 1 + len(CLIFF_VARIANTS) and set(cells) == {cells[0]}
     assert summary["commit"] and summary["stage_times_s"]
     for plot in ("curves.png", "fronts.png"):
         assert (out / plot).stat().st_size > 10_000
