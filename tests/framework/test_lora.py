@@ -2,6 +2,8 @@
 checkpointing, a reference that is the same model with its adapters disabled, and a final save of merged
 weights that loads as a plain model."""
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -17,6 +19,7 @@ from palu_trainer.framework.lora import (
     reference_without_copy,
     saving_merged,
 )
+from palu_trainer.framework.patches import merging_adapter_checkpoints
 
 from ..conftest import tied_and_untied_models
 from .test_bad_inputs import QUICK_RUN, run
@@ -169,6 +172,55 @@ def test_the_final_save_is_the_merged_model_with_its_adapter_beside_it(
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (
         checkpoint / "model.safetensors"
     ).exists()
+    # which palu-eval loads through the framework's get_model as its base with the adapter merged, in eval
+    # mode (transformers alone would attach it unmerged, its dropout in training mode)
+    from model import get_model
+
+    model_cfg = OmegaConf.create(
+        {
+            args: {"pretrained_model_name_or_path": str(checkpoint)}
+            for args in ("model_args", "tokenizer_args")
+        }
+    )
+    model_cfg.tokenizer_args.pretrained_model_name_or_path = str(model_dir)
+    loaded, _ = merging_adapter_checkpoints(get_model)(model_cfg)
+    assert not any(module.training for module in loaded.modules())
+    assert not any("lora" in name for name, _ in loaded.named_parameters())
+    torch.testing.assert_close(logits(loaded, input_ids), adapted, atol=1e-4, rtol=1e-4)
+
+
+def test_a_lora_checkpoint_is_a_model_path_while_its_base_model_is_there(tmp_path, tiny_model_dir):
+    from palu_trainer.framework.checks import model_path_problem
+
+    checkpoint = tmp_path / "run" / "checkpoint-5"
+    checkpoint.mkdir(parents=True)
+
+    def problem(base):
+        config = {} if base is None else {"base_model_name_or_path": base}
+        (checkpoint / "adapter_config.json").write_text(json.dumps(config))
+        model = {"pretrained_model_name_or_path": str(checkpoint)}
+        cfg = OmegaConf.create(
+            {
+                "model": {
+                    "model_args": model,
+                    "tokenizer_args": {"pretrained_model_name_or_path": tiny_model_dir},
+                }
+            }
+        )
+        return model_path_problem(cfg, "eval")
+
+    assert problem(str(tiny_model_dir)) is None
+    assert problem("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # a hub id: transformers fetches it
+    key = f"model.model_args.pretrained_model_name_or_path={checkpoint}"
+    assert problem(str(tmp_path / "moved")) == (
+        f"{key} is a LoRA checkpoint (its adapter only), and its base model {tmp_path / 'moved'} "
+        "(adapter_config.json: base_model_name_or_path) is not a saved model folder: put the model the run "
+        "started from back there, or evaluate the run's final folder, which holds the merged weights"
+    )
+    assert problem(None).startswith(f"{key}: {checkpoint / 'adapter_config.json'} names no base model")
+    (checkpoint / "adapter_config.json").write_text("{not json")
+    cfg = OmegaConf.create({"model": {"model_args": {"pretrained_model_name_or_path": str(checkpoint)}}})
+    assert model_path_problem(cfg, "eval").startswith(f"{key}: {checkpoint / 'adapter_config.json'}: not a")
 
 
 def test_lora_for_a_module_reading_method_or_for_palu_eval_is_refused():

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from transformers import Trainer, TrainerCallback
+from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
-from palu_trainer.framework.lora import LoraSettings
+from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
 from palu_trainer.framework.run_guard import failed_run_problem
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
@@ -121,6 +122,11 @@ def model_path_problem(cfg, script) -> str | None:
             return failed
         if any((path / name).is_file() for name in files):
             continue
+        if args == "model_args" and (path / ADAPTER_CONFIG_NAME).is_file():
+            problem = lora_checkpoint_problem(key, value)
+            if problem:
+                return problem
+            continue
         checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1] or 0))
         if checkpoints:
             return (
@@ -130,6 +136,23 @@ def model_path_problem(cfg, script) -> str | None:
             )
         return f"{key}={value}: no {files[0]} there, so it is not a saved model or tokenizer folder"
     return None
+
+
+def lora_checkpoint_problem(key: str, value: str) -> str | None:
+    """A LoRA run's checkpoint (its adapter only) loads onto the base model named in its adapter config,
+    which must still be a saved model where the run found it."""
+    try:
+        base = adapter_checkpoint_base(value)
+    except ValueError as error:
+        return f"{key}={value}: {error}"
+    base_path = Path(base).expanduser()
+    if not (base.startswith((".", "/", "~")) or base_path.exists()) or (base_path / "config.json").is_file():
+        return None  # a hub id, or a saved model
+    return (
+        f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
+        f"({ADAPTER_CONFIG_NAME}: base_model_name_or_path) is not a saved model folder: put the model the "
+        "run started from back there, or evaluate the run's final folder, which holds the merged weights"
+    )
 
 
 def max_steps_problem(cfg, script) -> str | None:

@@ -16,6 +16,7 @@ from palu_trainer.framework.patches import (
     checking_data,
     checking_vocabulary,
     guarding,
+    merging_adapter_checkpoints,
     resuming,
     training_with_adapters,
     upcasting_evaluation_logits,
@@ -144,7 +145,9 @@ def run_framework_script(script: str, config_name: str) -> None:
                 logger.info("local dataset mirror: %s", line)
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
-        module.get_model = upcasting_evaluation_logits(checking_vocabulary(get_model))
+        module.get_model = upcasting_evaluation_logits(
+            checking_vocabulary(merging_adapter_checkpoints(get_model))
+        )
         lora = load_trainer is not None and cfg.get("peft") is not None
         if lora:
             module.get_model = with_adapters(module.get_model, cfg.peft)

@@ -7,17 +7,20 @@
   with a reference calls, PALU's and TPO's included) returns that view instead of a deep copy.
 - The final save writes the merged weights, which palu-eval and the stock evaluator load unchanged, with the
   adapter beside them in `adapter/`. Checkpoints stay as transformers writes them (the adapter and the
-  optimizer state), so resuming works as without LoRA.
+  optimizer state), so resuming works as without LoRA; palu-eval and palu-train load one as its base model
+  with the adapter merged (`adapter_checkpoint_base`, patches.merging_adapter_checkpoints).
 """
 
 import contextlib
 import functools
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.method.checks import check_number
 
@@ -299,6 +302,28 @@ def keeping_frozen_weights_through_recompute() -> None:
 
     release_sub_module.keeps_frozen_weights = True
     PartitionedParameterCoordinator.release_sub_module = release_sub_module
+
+
+def adapter_checkpoint_base(path) -> str | None:
+    """The base model named in a LoRA run's checkpoint, a folder that holds the adapter and no model (as
+    transformers writes checkpoints of a peft model); None for any other folder or name. ValueError when its
+    adapter_config.json cannot be read or names no base."""
+    if not isinstance(path, str) or not path:
+        return None
+    folder = Path(path).expanduser()
+    config = folder / ADAPTER_CONFIG_NAME
+    if not config.is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ValueError(f"{config}: not a readable adapter config ({error})") from error
+    if not isinstance(base, str) or not base:
+        raise ValueError(
+            f"{config} names no base model (base_model_name_or_path): evaluate the run's final folder, "
+            "which holds the merged weights, or set it to the model the run started from"
+        )
+    return base
 
 
 def saving_merged(trainer):

@@ -170,6 +170,33 @@ def guarding(load_trainer, argv: list[str], allow_low_disk: bool = False):
     return load
 
 
+def merging_adapter_checkpoints(get_model):
+    """The framework's `get_model`, which for a LoRA run's checkpoint (the adapter only) loads the base model
+    its adapter_config.json names, as it loads any model, and merges the adapter in: the evaluator then gets
+    a plain model, as from the run's final folder. transformers alone would attach the adapter unmerged, with
+    its dropout left in training mode."""
+    from omegaconf import open_dict
+
+    from palu_trainer.framework.lora import adapter_checkpoint_base
+
+    @functools.wraps(get_model)
+    def load(model_cfg, *args, **kwargs):
+        checkpoint = model_cfg.model_args.get("pretrained_model_name_or_path")
+        base = adapter_checkpoint_base(checkpoint)
+        if base is None:
+            return get_model(model_cfg, *args, **kwargs)
+        from peft import PeftModel
+
+        with open_dict(model_cfg):
+            model_cfg.model_args.pretrained_model_name_or_path = base
+        model, tokenizer = get_model(model_cfg, *args, **kwargs)
+        merged = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+        logger.info("LoRA checkpoint %s: its adapter merged into its base model %s", checkpoint, base)
+        return merged.eval(), tokenizer
+
+    return load
+
+
 def with_adapters(get_model, peft_node):
     """The framework's `get_model`, whose model carries LoRA adapters (`+peft=lora`), refused with the
     reason when they cannot fit it."""
