@@ -189,6 +189,31 @@ def test_the_final_save_is_the_merged_model_with_its_adapter_beside_it(
     torch.testing.assert_close(logits(loaded, input_ids), adapted, atol=1e-4, rtol=1e-4)
 
 
+def test_a_lora_checkpoint_on_a_lora_checkpoint_loads_both_adapters(tiny_model_dir, tmp_path):
+    """A run that starts from a LoRA checkpoint (merged on loading) trains new adapters; its own checkpoint
+    names the first checkpoint as its base, and loading it merges both adapters, in order."""
+    from model import get_model
+
+    def load(path):
+        cfg = {"model_args": {"pretrained_model_name_or_path": str(path)}}
+        cfg["tokenizer_args"] = {"pretrained_model_name_or_path": str(tiny_model_dir)}
+        return merging_adapter_checkpoints(get_model)(OmegaConf.create(cfg))[0]
+
+    input_ids = torch.arange(2, 18).reshape(2, 8)
+    first = add_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), settings(r=4))
+    randomize_adapters(first, seed=1)
+    first.save_pretrained(tmp_path / "first")
+    second = add_adapters(load(tmp_path / "first"), settings(r=4))
+    randomize_adapters(second, seed=2)
+    second.save_pretrained(tmp_path / "second")
+    assert json.loads((tmp_path / "second" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(tmp_path / "first")
+    both = logits(second, input_ids)
+    torch.testing.assert_close(logits(load(tmp_path / "second"), input_ids), both, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(logits(load(tmp_path / "first"), input_ids), both, atol=1e-3)
+
+
 def test_a_lora_checkpoint_is_a_model_path_while_its_base_model_is_there(tmp_path, tiny_model_dir):
     from palu_trainer.framework.checks import model_path_problem
 

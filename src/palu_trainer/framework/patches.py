@@ -189,8 +189,10 @@ def merging_adapter_checkpoints(get_model):
 
         with open_dict(model_cfg):
             model_cfg.model_args.pretrained_model_name_or_path = base
-        model, tokenizer = get_model(model_cfg, *args, **kwargs)
+        model, tokenizer = load(model_cfg, *args, **kwargs)  # a base that is a LoRA checkpoint is merged too
         merged = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+        # adapters trained on the merged model name the checkpoint as their base, not the model under it
+        merged.name_or_path = merged.config.name_or_path = checkpoint
         logger.info("LoRA checkpoint %s: its adapter merged into its base model %s", checkpoint, base)
         return merged.eval(), tokenizer
 
