@@ -103,6 +103,11 @@ def output_dir_problem(cfg, script) -> str | None:
     return None
 
 
+def is_local_path(value: str) -> bool:
+    """A model reference that names a folder here rather than a hub id."""
+    return value.startswith((".", "/", "~")) or Path(value).expanduser().exists()
+
+
 def model_path_problem(cfg, script) -> str | None:
     """A local model or tokenizer folder that is not a saved model: missing, or an interrupted run's."""
     needs = {"model_args": ("config.json",), "tokenizer_args": ("tokenizer_config.json", "tokenizer.json")}
@@ -111,10 +116,9 @@ def model_path_problem(cfg, script) -> str | None:
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, str):
             continue
-        path = Path(value).expanduser()
-        local = value.startswith((".", "/", "~")) or path.exists()
-        if not local:
+        if not is_local_path(value):
             continue  # a hub id
+        path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
         failed = failed_run_problem(key, path)
@@ -145,8 +149,7 @@ def lora_checkpoint_problem(key: str, value: str) -> str | None:
         base = adapter_checkpoint_base(value)
     except ValueError as error:
         return f"{key}={value}: {error}"
-    base_path = Path(base).expanduser()
-    if not (base.startswith((".", "/", "~")) or base_path.exists()) or (base_path / "config.json").is_file():
+    if not is_local_path(base) or (Path(base).expanduser() / "config.json").is_file():
         return None  # a hub id, or a saved model
     return (
         f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
