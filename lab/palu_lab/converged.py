@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy
 
@@ -83,6 +84,8 @@ PER_EPOCH = (
 )
 TERM_GRADIENT_NORMS = "trainer.method_args.log_term_gradient_norms=true"
 UTILITY_SHARES = (0.9, 0.8)  # the fronts' "equal utility": MU at least this share of the Original's
+FULL_FINETUNING = " (full finetuning)"  # a full-finetuning row's suffix where the LoRA report shows it
+HOW = ("full finetuning", "LoRA")
 CLIFF_LEARNING_RATE = 3e-5  # the pilot's: PALU reaches FQ 0.27 there and its MU falls to 0
 # The cliff study's variants of PALU (seed 0, λ 1 unless changed): the paper's knobs across and beyond its
 # grid, then the scale-free local loss. The unchanged setting is the tuning run at the same rate.
@@ -126,12 +129,9 @@ TOFU_SIZES["smollm2-converged"] = CONVERGED
 TOFU_SIZES["smollm2-converged-fast"] = CONVERGED_FAST
 
 
-@dataclass(frozen=True)
-class Point:
-    """One evaluated epoch of one run: its metrics (KS D added) and wall seconds of unlearning so far."""
+class Scored:
+    """A point's MU and FQ, read off its `metrics` (0 where missing)."""
 
-    run: Run
-    epoch: int
     metrics: Mapping
 
     @property
@@ -141,6 +141,31 @@ class Point:
     @property
     def quality(self) -> float:
         return self.metrics.get(FORGETTING) or 0.0
+
+
+ScoredPoint = TypeVar("ScoredPoint", bound=Scored)
+
+
+@dataclass(frozen=True)
+class Point(Scored):
+    """One evaluated epoch of one run: its metrics (KS D added)."""
+
+    run: Run
+    epoch: int
+    metrics: Mapping
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+
+@dataclass(frozen=True)
+class ReadPoint(Scored):
+    """A point read back from a report's converged.json: the run's name, the epoch, its metrics."""
+
+    name: str
+    epoch: int
+    metrics: Mapping
 
 
 def ks_statistic(forget_quality: float | None, rows: int) -> int | None:
@@ -245,7 +270,7 @@ def unlearn_with_curve(mini: Miniature, run: Run, keep: Callable[[Path], None] |
     return Curve(run, points, out_dir, seconds)
 
 
-def pareto_front(points: Sequence[Point]) -> list[Point]:
+def pareto_front(points: Sequence[ScoredPoint]) -> list[ScoredPoint]:
     """The points no other beats on both MU and FQ, by MU descending (FQ then ascends)."""
     front, best = [], -math.inf
     for point in sorted(points, key=lambda p: (-p.utility, -p.quality)):
@@ -255,7 +280,7 @@ def pareto_front(points: Sequence[Point]) -> list[Point]:
     return front
 
 
-def best_at_utility(points: Sequence[Point], floor: float) -> Point | None:
+def best_at_utility(points: Sequence[ScoredPoint], floor: float) -> ScoredPoint | None:
     """The point of highest FQ among those with MU >= floor (None: no point keeps that much)."""
     kept = [point for point in points if point.utility >= floor]
     return max(kept, key=lambda p: p.quality) if kept else None
@@ -323,9 +348,16 @@ CURVE_PANELS = (
 )
 
 
-def plot_curves(path: Path, curves: Mapping[str, dict[int, dict]], retain: Mapping, rows: int) -> None:
+def plot_curves(
+    path: Path,
+    curves: Mapping[str, dict[int, dict]],
+    retain: Mapping,
+    rows: int,
+    full: Mapping[str, dict[int, dict]] | None = None,
+) -> None:
     """Four panels against the unlearning epoch: each method's selected setting, mean over seeds with the
-    min–max band; Retain dashed."""
+    min–max band; Retain dashed. `full`: the LoRA report's full-finetuning curves of the same methods, dashed
+    in the colour of each method's LoRA line, without bands."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,6 +375,14 @@ def plot_curves(path: Path, curves: Mapping[str, dict[int, dict]], retain: Mappi
                 epochs, [max(v.low, floor) for v in values], [max(v.high, floor) for v in values],
                 color=line.get_color(), alpha=0.2,
             )  # fmt: skip
+            full_spreads = (full or {}).get(method.removesuffix(" LoRA"))
+            if full_spreads:
+                full_epochs = [epoch for epoch, s in full_spreads.items() if s.get(key)]
+                axes.plot(
+                    full_epochs, [max(full_spreads[epoch][key].mean, floor) for epoch in full_epochs],
+                    ls="--", marker="x", color=line.get_color(),
+                    label=method.removesuffix(" LoRA") + FULL_FINETUNING,
+                )  # fmt: skip
         reference = 0 if key == "ks_d" else retain.get(key)
         if reference is not None:
             axes.axhline(reference, color="black", ls="--", lw=1, label="Retain")
@@ -360,12 +400,19 @@ def plot_curves(path: Path, curves: Mapping[str, dict[int, dict]], retain: Mappi
     plt.close(figure)
 
 
-def plot_fronts(path: Path, points: Mapping[str, list[Point]], references: Mapping, shares) -> None:
+def plot_fronts(
+    path: Path,
+    points: Mapping[str, list[Point]],
+    references: Mapping,
+    shares,
+    full: Mapping[str, list[ReadPoint]] | None = None,
+) -> None:
     """MU (x) vs FQ (y, log): every tuning run at every evaluated epoch (faint), each method's Pareto front
     (line), the Original (star), Retain (plus) and the equal-utility floors (dotted); left every point, right
     the region the floors ask about (MU from 75% of the Original's). FQ more than ten times below the
     Original's (a model further from Retain than the Original; a collapsed one reaches 1e-23) is drawn at
-    that bottom line, which would otherwise stretch the axis over 20 decades."""
+    that bottom line, which would otherwise stretch the axis over 20 decades. `full`: the LoRA report's
+    full-finetuning points of the same methods, whose fronts are drawn dashed in each method's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,6 +435,13 @@ def plot_fronts(path: Path, points: Mapping[str, list[Point]], references: Mappi
                 [p.utility for p in front], [shown(p.quality) for p in front],
                 marker="o", color=dots.get_facecolor()[0][:3], label=f"{method} front",
             )  # fmt: skip
+            full_front = pareto_front((full or {}).get(method.removesuffix(" LoRA"), []))
+            if full_front:
+                axes.plot(
+                    [p.utility for p in full_front], [shown(p.quality) for p in full_front],
+                    ls="--", marker="x", color=dots.get_facecolor()[0][:3],
+                    label=f"{method.removesuffix(' LoRA')}{FULL_FINETUNING} front",
+                )  # fmt: skip
         axes.plot([original[UTILITY]], [shown(original[FORGETTING])], "k*", ms=12, label="Original")
         axes.plot([retain[UTILITY]], [retain[FORGETTING]], "kP", ms=10, label="Retain")
         for share, style in zip(shares, (":", "-.")):
@@ -444,6 +498,103 @@ def front_table(points: Mapping[str, list[Point]], original_utility: float, shar
         front = ", ".join(f"({p.utility:.3f}, {p.quality:.2g})" for p in pareto_front(method_points))
         lines.append("| " + " | ".join([method, str(len(method_points)), *cells, front]) + " |")
     return "\n".join(lines)
+
+
+COMPARED_COLUMNS = (
+    real_model.TABLE_1[0],
+    ("ks_d", "KS D ↓", "{:.1f}"),
+    *(column for column in real_model.TABLE_1 if column[0] in (UTILITY, "forget_rouge", "retain_rouge")),
+    *real_model.TABLE_2[:1],
+)
+
+
+@dataclass(frozen=True)
+class FullFinetuning:
+    """The full-finetuning report's rows, curves and tuning points that the LoRA report reads beside its own
+    (the same data, Original, Retain, budget and selection rule; `make converged` made them)."""
+
+    path: Path
+    commit: str
+    rows: Mapping[str, Mapping[str, Spread | None]]
+    curves: Mapping[str, dict[int, dict[str, Spread | None]]]
+    points: Mapping[str, list[ReadPoint]]  # row: its seed-0 (tuning) runs at every evaluated epoch
+
+    @classmethod
+    def read(cls, path: Path) -> "FullFinetuning | None":
+        if not path.is_file():
+            return None
+        summary = json.loads(path.read_text(encoding="utf-8"))
+
+        def spreads(values: Mapping) -> dict[str, Spread | None]:
+            return {key: Spread(**value) if value else None for key, value in values.items()}
+
+        points: dict[str, dict[tuple[str, int], ReadPoint]] = {}
+        for point in summary["points"]:  # seed 0's (the tuning runs'), each once: the seeded list repeats it
+            if point["run"].endswith("_seed0"):
+                metrics = {key: value for key, value in point.items() if key not in ("run", "row", "epoch")}
+                read = ReadPoint(point["run"], point["epoch"], metrics)
+                points.setdefault(point["row"], {})[read.name, read.epoch] = read
+        return cls(
+            path,
+            summary["commit"],
+            {name: spreads(values) for name, values in summary["rows"].items()},
+            {
+                name: {int(epoch): spreads(values) for epoch, values in by_epoch.items()}
+                for name, by_epoch in summary["curves"].items()
+            },
+            {row: list(kept.values()) for row, kept in points.items()},
+        )
+
+
+def lora_against_full(
+    full: FullFinetuning | None,
+    spreads: Mapping[str, Mapping[str, Spread | None]],
+    points: Mapping[str, list[Point]],
+    original_utility: float,
+    shares=UTILITY_SHARES,
+) -> tuple[list[str], list[str]]:
+    """(Markdown, reading) of what LoRA costs: each LoRA row beside the same method's full-finetuning row,
+    over seeds, and the best FQ each reaches on seed 0 at each utility floor."""
+    if full is None:
+        return [], []
+    methods = [row.removesuffix(" LoRA") for row in spreads if row.endswith(" LoRA")]
+    methods = [method for method in methods if method in full.rows]
+    rows = {}
+    for method in methods:
+        rows[method + FULL_FINETUNING] = full.rows[method]
+        rows[f"{method} LoRA"] = spreads[f"{method} LoRA"]
+    headers = ["method", *(f"best FQ at MU ≥ {share:.0%}, {how}" for share in shares for how in HOW)]
+    fronts = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for method in methods:
+        cells = []
+        for share in shares:
+            for best in (
+                best_at_utility(full.points.get(method, []), share * original_utility),
+                best_at_utility(points.get(f"{method} LoRA", []), share * original_utility),
+            ):
+                cells.append(
+                    f"{best.quality:.3g} ({best.name}, ep {best.epoch}, MU {best.utility:.3f})"
+                    if best
+                    else "—"
+                )
+        fronts.append("| " + " | ".join([method, *cells]) + " |")
+    reading = [real_model.compare(f"{m} LoRA", m + FULL_FINETUNING, rows)[1] for m in methods]
+    markdown = [
+        "## LoRA against full finetuning",
+        "",
+        f"The full-finetuning rows are ../{full.path.name} (commit {full.commit}): the same data, Original, "
+        "Retain, budget and selection rule, every weight trained at the grid's rates.",
+        "",
+        real_model.spread_table(rows, COMPARED_COLUMNS),
+        "",
+        "Seed 0, every tuning run at every evaluated epoch (cells: FQ (run, epoch, MU)):",
+        "",
+        *fronts,
+        "",
+        *(f"- {line}" for line in reading),
+        "",
+    ]
+    return markdown, reading
 
 
 def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float) -> tuple[str, list[str]]:
@@ -557,8 +708,10 @@ def write_report(
     seeded: Mapping[str, list[Curve]],
     cliff: Sequence[Curve],
     extra: Mapping,
+    full: FullFinetuning | None = None,
 ) -> dict[str, Path]:
-    """converged.md, converged.json, curves.png and fronts.png."""
+    """converged.md, converged.json, curves.png and fronts.png; `full`: the LoRA report's full-finetuning
+    rows, compared with its own."""
     original = references["Original"].metrics
     forget_rows = extra["forget_rows"]
     spreads = {name: aggregate([run]) for name, run in references.items()}
@@ -578,8 +731,11 @@ def write_report(
     }
     paths = {name: out_dir / name for name in ("converged.md", "converged.json", "curves.png", "fronts.png")}
     out_dir.mkdir(parents=True, exist_ok=True)
-    plot_curves(paths["curves.png"], curves, references["Retain"].metrics, forget_rows)
-    plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES)
+    plot_curves(
+        paths["curves.png"], curves, references["Retain"].metrics, forget_rows, full.curves if full else None
+    )
+    against_full, full_reading = lora_against_full(full, spreads, points, original[UTILITY])
+    plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES, full.points if full else None)
     ks_column = (("ks_d", f"KS D·{forget_rows} ↓", "{:.1f}"),)
     machine = extra["machine_time_h"]
     markdown = [
@@ -613,6 +769,7 @@ def write_report(
         "",
         "![curves](curves.png)",
         "",
+        *against_full,
     ]
     cliff_reading: list[str] = []
     if cliff:
@@ -638,6 +795,7 @@ def write_report(
         "reading": lines,
         "fronts": fronts,
         "cliff": cliff_reading,
+        "against_full_finetuning": full_reading,
         "rows": {n: {k: asdict(v) if v else None for k, v in s.items()} for n, s in spreads.items()},
         "selected": {method: run.name for method, run in selected.items()},
         "curves": {
@@ -760,8 +918,14 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "baselines": [row for row in rows if row != "PALU LoRA"] if lora else REAL_MODEL_BASELINES,
         "notes": notes,
     }
+    full = FullFinetuning.read(args.run_dir / "converged.json") if lora else None
+    if lora and full is None:
+        extra["notes"].append(
+            f"No full-finetuning report at {args.run_dir / 'converged.json'}, so the LoRA rows stand "
+            "alone: `make converged` (the same options without LoRA=1) makes it, from the cache where it ran."
+        )
     out_dir = args.run_dir / "lora" if lora else args.run_dir
-    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra)
+    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra, full)
     return progress.finish(paths)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from palu_lab import converged, miniature
+from palu_lab import converged, miniature, real_model
 from palu_lab.converged import (
     CLIFF_VARIANTS,
     CONVERGED_KNOB_VALUES,
@@ -294,6 +294,41 @@ def test_the_lora_rows_end_to_end_on_a_fake_framework(fake_experiment):
     assert markdown.startswith("# Converged: PALU and NPO with LoRA adapters")
     assert "the full-finetuning grid x 10" in markdown and "| PALU LoRA |" in markdown
     assert not (out / "converged.json").exists()  # the full-finetuning report is not touched
+    assert "No full-finetuning report at" in markdown and summary["against_full_finetuning"] == []
+
+
+def test_the_lora_report_sets_each_lora_row_beside_its_full_finetuning_row(fake_experiment):
+    """With the full-finetuning report made first, the LoRA report reads it: per method, both rows over
+    seeds, the best FQ each reaches on seed 0 at each utility floor (the full report's own fronts), and a
+    reading of LoRA against full finetuning; the curves plot draws the full curves beside the LoRA ones."""
+    framework, arguments, out = fake_experiment
+    converged.main(arguments)
+    full = json.loads((out / "converged.json").read_text())
+    trained = len(framework.trained)
+    converged.main([*arguments, "--lora"])
+    assert len(framework.trained) == trained + 2 * 2 * len(SIZE.unlearn_learning_rates) + 2 * 2
+    lora = json.loads((out / "lora" / "converged.json").read_text())
+    markdown = (out / "lora" / "converged.md").read_text()
+    section = markdown.split("## LoRA against full finetuning")[1]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    names = [line.split(" | ")[0].removeprefix("| ") for line in rows]
+    assert names[1:5] == ["PALU (full finetuning)", "PALU LoRA", "NPO (full finetuning)", "NPO LoRA"]
+    palu_fq = real_model.Spread(**full["rows"]["PALU"]["forget_quality"]).format()
+    assert rows[1].startswith(f"| PALU (full finetuning) | {palu_fq} |")
+    # the best FQ at MU >= 90% (>= 0.396) on seed 0, by the scenario: full PALU at 1e-4 and LoRA PALU at
+    # 1e-3 (its strength 1 too, milder), both at epoch 6 (MU 0.400): 1e-4 x 10^(4 x base x 0.6)
+    front_row = next(line for line in rows if line.startswith("| PALU | ")).split(" | ")
+    assert front_row[1:3] == [
+        f"{1e-4 * 10 ** (4 * 0.6 * 0.6):.3g} (PALU_lr0.0001_lambda1_seed0, ep 6, MU 0.400)",
+        f"{1e-4 * 10 ** (4 * 0.3 * 0.6):.3g} (PALU_LoRA_lr0.001_lambda1_seed0, ep 6, MU 0.400)",
+    ]
+    assert front_row[1].split(" (")[0] in full["fronts"][0]  # the full report's own front agrees
+    reading = lora["against_full_finetuning"]
+    assert [line.split(":")[0] for line in reading] == [
+        "PALU LoRA vs PALU (full finetuning)",
+        "NPO LoRA vs NPO (full finetuning)",
+    ]
+    assert (out / "lora" / "curves.png").stat().st_size > 10_000
 
 
 def test_the_fast_variant_plans_two_epochs(capsys):
