@@ -146,6 +146,48 @@ def test_train_then_evaluate_on_this_stack(tmp_path, tiny_model_dir, small_tofu_
     assert 0 < summary["forget_Q_A_Prob"] < 1
 
 
+# The other side-by-side methods with LoRA (issue 32: PALU, TPO, GradDiff, NPO, SimNPO at least): GradDiff
+# with the KL retain loss reads a reference (the model with its adapters disabled), TPO reads one every
+# step, SimNPO has none. palu-eval on a merged folder is the runs' above.
+STOCK = "experiment=unlearn/tofu/default"
+LORA_SIDE_BY_SIDE = {
+    "GradDiff-KL-LoRA": [STOCK, "trainer=GradDiff", "trainer.method_args.retain_loss_type=KL", *LORA],
+    "SimNPO-LoRA": [STOCK, "trainer=SimNPO", *LORA],
+    "TPO-LoRA": [*METHOD_RUNS["TPO"], *LORA],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("method", list(LORA_SIDE_BY_SIDE))
+def test_every_side_by_side_method_trains_adapters_and_saves_them_merged(
+    tmp_path, tiny_model_dir, small_tofu_mirror, shared_dir, method
+):
+    spans = tmp_path / "forget01.jsonl"
+    import_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl", spans)
+    spans.write_text("".join(spans.read_text().splitlines(keepends=True)[:EVAL_ROWS]))
+    out = tmp_path / "run"
+    history, output = palu_train(
+        [
+            *LORA_SIDE_BY_SIDE[method],
+            *([f"span_annotations={spans}"] if method.startswith("TPO") else []),
+            f"task_name={method}",
+            "++trainer.args.max_steps=2",
+        ],
+        small_tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2]
+    changed = changed_tensors(tiny_model_dir, out)
+    assert len(changed) > 10 and all(name.endswith("proj.weight") for name in changed), changed
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    has_reference = not method.startswith("SimNPO")
+    assert (
+        "reference: the model with its LoRA adapters disabled (no second copy)" in output
+    ) == has_reference
+
+
 @pytest.mark.slow
 @pytest.mark.stack
 def test_palu_eval_in_bf16_on_this_stack(tmp_path, tiny_model_dir, small_tofu_mirror):
