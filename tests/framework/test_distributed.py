@@ -239,10 +239,44 @@ def test_zero3_two_uneven_ranks(
         str(port),
         str(PALU_TRAIN),
     ]
-    distributed = run(launcher, overrides, uneven_data, model_dirs[tied], tmp_path, processes=2)
+    lora = "LoRA" in configuration
+    # LoRA: a checkpoint at the last step, with its optimizer state (resumable), as users save per epoch
+    saving = ["trainer.args.save_strategy=steps", f"+trainer.args.save_steps={STEPS}"] if lora else []
+    saving += ["trainer.args.save_only_model=false"] if lora else []
+    distributed = run(launcher, [*overrides, *saving], uneven_data, model_dirs[tied], tmp_path, processes=2)
     assert_same_run(configuration, distributed, single_process[configuration], model_dirs[tied])
     # DeepSpeed's CPU allreduce buffers (66 MB of RAM a rank) are gone with the run
     assert list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")) == []
+    if lora:
+        assert_checkpoint_is_the_final_model(
+            tmp_path / f"checkpoint-{STEPS}", distributed[1], model_dirs[tied]
+        )
+
+
+def assert_checkpoint_is_the_final_model(checkpoint, final_weights, model_dir):
+    """A ZeRO-3 LoRA checkpoint holds every adapter whole (gathered, not the ranks' shards), and loaded as a
+    model path (the base its adapter_config.json names, the adapter merged: what palu-eval does with a
+    per-epoch checkpoint) it is the run's final merged model."""
+    from omegaconf import OmegaConf
+
+    from palu_trainer.framework.checkout import ensure_importable
+    from palu_trainer.framework.patches import merging_adapter_checkpoints
+
+    ensure_importable()
+    from model import get_model
+
+    adapter = load_file(checkpoint / "adapter_model.safetensors")
+    assert adapter and all(tensor.numel() > 0 for tensor in adapter.values()), checkpoint
+    assert not (checkpoint / "model.safetensors").exists()
+    assert list(checkpoint.glob("global_step*")), "no DeepSpeed optimizer state: the checkpoint cannot resume"
+    model_cfg = OmegaConf.create(
+        {"model_args": {"pretrained_model_name_or_path": str(checkpoint)}}
+        | {"tokenizer_args": {"pretrained_model_name_or_path": str(model_dir)}}
+    )
+    loaded, _ = merging_adapter_checkpoints(get_model)(model_cfg)
+    state = {name: tensor.float() for name, tensor in loaded.state_dict().items()}
+    for name, tensor in final_weights.items():
+        torch.testing.assert_close(state[name], tensor.float(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.distributed
