@@ -241,8 +241,15 @@ def test_zero3_two_uneven_ranks(
     ]
     lora = "LoRA" in configuration
     # LoRA: a checkpoint at the last step, with its optimizer state (resumable), as users save per epoch
-    saving = ["trainer.args.save_strategy=steps", f"+trainer.args.save_steps={STEPS}"] if lora else []
-    saving += ["trainer.args.save_only_model=false"] if lora else []
+    saving = (
+        [
+            "trainer.args.save_strategy=steps",
+            f"+trainer.args.save_steps={STEPS}",
+            "trainer.args.save_only_model=false",
+        ]
+        if lora
+        else []
+    )
     distributed = run(launcher, [*overrides, *saving], uneven_data, model_dirs[tied], tmp_path, processes=2)
     assert_same_run(configuration, distributed, single_process[configuration], model_dirs[tied])
     # DeepSpeed's CPU allreduce buffers (66 MB of RAM a rank) are gone with the run
