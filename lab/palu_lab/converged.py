@@ -86,6 +86,16 @@ TERM_GRADIENT_NORMS = "trainer.method_args.log_term_gradient_norms=true"
 UTILITY_SHARES = (0.9, 0.8)  # the fronts' "equal utility": MU at least this share of the Original's
 FULL_FINETUNING = " (full finetuning)"  # a full-finetuning row's suffix where the LoRA report shows it
 HOW = ("full finetuning", "LoRA")
+# Issue 59: PALU's local loss with gradient through its target c, beside the archived runs (all with c
+# detached). A row by name: (method, the form's name in run names, overrides). PALU_release is a method of
+# its own (configs/trainer/PALU_release.yaml: c with gradient and the release's KL and weights).
+FORM_ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "PALU_cgrad": ("PALU", "c-gradient", ("trainer.method_args.target_gradient=true",)),
+}
+CONVERGED_ROWS = (*REAL_MODEL_METHODS, *FORM_ROWS, "PALU_release")
+# The new rows' tuning runs start with the rates where the detached form's cliff lies (3e-5, then 1e-4) and
+# the first knob value, so that the first machine-hours answer issue 59's question.
+RUN_ORDER_RATES = (3e-5, 1e-4, 1e-5, 3e-4)
 CLIFF_LEARNING_RATE = 3e-5  # the pilot's: PALU reaches FQ 0.27 there and its MU falls to 0
 # The cliff study's variants of PALU (seed 0, λ 1 unless changed): the paper's knobs across and beyond its
 # grid, then the scale-free local loss. The unchanged setting is the tuning run at the same rate.
@@ -198,16 +208,43 @@ def learning_rates(size: RealTofuSize, lora: bool = False) -> tuple[float, ...]:
     return tuple(round(rate * factor, 12) for rate in size.unlearn_learning_rates)
 
 
-def tuning_runs(methods: Sequence[str], size: RealTofuSize, lora: bool = False) -> list[Run]:
-    """Every method's tuning runs on seed 0; with `lora`, its LoRA rows ("PALU LoRA": adapters, LoRA's
+def row_method(row: str) -> tuple[str, dict, tuple[str, ...]]:
+    """A row's method, the params naming its form, and the form's overrides (`FORM_ROWS`)."""
+    if row not in FORM_ROWS:
+        return row, {}, ()
+    method, form, overrides = FORM_ROWS[row]
+    return method, {"variant": form}, overrides
+
+
+def tuning_runs(rows: Sequence[str], size: RealTofuSize, lora: bool = False) -> list[Run]:
+    """Every row's tuning runs on seed 0; with `lora`, its LoRA rows ("PALU LoRA": adapters, LoRA's
     rates)."""
     adapters = ({"adapters": "LoRA"}, (LORA_OVERRIDE,)) if lora else ({}, ())
     return [
-        Run(f"{method} LoRA" if lora else method, method, size.seeds[0], rate, {**adapters[0], **params},
-            (*adapters[1], *extra))
-        for method in methods
+        Run(f"{row} LoRA" if lora else row, method, size.seeds[0], rate,
+            {**adapters[0], **params, **form}, (*adapters[1], *form_overrides, *extra))
+        for row in rows
+        for method, form, form_overrides in [row_method(row)]
         for rate, params, extra in knob_grid(method, learning_rates(size, lora))
     ]  # fmt: skip
+
+
+def run_order(runs: Sequence[Run]) -> list[Run]:
+    """The order the pool starts them in: each row's first knob value before its second, and the rates in
+    `RUN_ORDER_RATES`' order (cached runs cost nothing, so this orders the new ones)."""
+
+    def position(run: Run) -> tuple[int, int]:
+        knob = METHODS[run.method].knob
+        value = run.params.get(knob.name) if knob else None
+        values = CONVERGED_KNOB_VALUES.get(run.method, ())
+        rate = run.learning_rate / (LORA_RATE_FACTOR if "adapters" in run.params else 1)
+        order = [round(r, 12) for r in RUN_ORDER_RATES]
+        return (
+            values.index(value) if value in values else 0,
+            order.index(round(rate, 12)) if round(rate, 12) in order else len(order),
+        )
+
+    return sorted(runs, key=position)
 
 
 def cliff_runs(size: RealTofuSize) -> list[Run]:
@@ -223,7 +260,7 @@ def cliff_runs(size: RealTofuSize) -> list[Run]:
 
 def run_overrides(run: Run) -> tuple[str, ...]:
     """The run's command line additions: its own, checkpoints per epoch, and PALU's term gradient norms."""
-    norms = (TERM_GRADIENT_NORMS,) if run.method == "PALU" else ()
+    norms = (TERM_GRADIENT_NORMS,) if run.method in PALU_METHODS else ()
     return (*run.overrides(), *PER_EPOCH, *norms)
 
 
@@ -293,6 +330,7 @@ def select(curves: Sequence[Curve], original_utility: float) -> Curve:
     return curves[finals.index(chosen)]
 
 
+PALU_METHODS = ("PALU", "PALU_release")
 TERM_KEYS = ("local_loss", "kl_loss", "retain_loss", "grad_norm", "grad_norm_local", "grad_norm_kl")
 TERM_KEYS += ("grad_norm_retain",)
 
@@ -776,7 +814,7 @@ def write_report(
         base = next(
             curve
             for curve in tuning
-            if curve.run.method == "PALU"
+            if curve.run.row == "PALU"
             and curve.run.learning_rate == cliff[0].run.learning_rate
             and curve.run.params.get("lambda") == CONVERGED_KNOB_VALUES["PALU"][0]
         )
@@ -810,7 +848,9 @@ def write_report(
             for p in curve.points
         ],
         "terms": {
-            curve.run.name: logged_terms(curve) for curve in (*tuning, *cliff) if curve.run.method == "PALU"
+            curve.run.name: logged_terms(curve)
+            for curve in (*tuning, *cliff)
+            if curve.run.method in PALU_METHODS
         },
         **{key: value for key, value in extra.items() if key not in ("notes", "baselines", "subject")},
     }
@@ -857,7 +897,8 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         def unlearn(run_: Run) -> Curve:
             return unlearn_with_curve(mini, run_, keep)
 
-        tuning = run_all(pool, unlearn, tuning_list)
+        finished = {curve.run: curve for curve in run_all(pool, unlearn, run_order(tuning_list))}
+        tuning = [finished[run_] for run_ in tuning_list]
         references = mini.references()
         original_utility = references["Original"].metrics[UTILITY] or 0.0
         selected = {}
@@ -883,7 +924,10 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             "table at 8a3b9e1; 3e-4 added when SimNPO at 1e-4 kept 85-86% of MU, docs/real-model.md); knob "
             "values: "
         )
-        + "; ".join(f"{m} {METHODS[m].knob.name} {list(CONVERGED_KNOB_VALUES[m])}" for m in methods)
+        + "; ".join(
+            f"{m} {METHODS[row_method(m)[0]].knob.name} {list(CONVERGED_KNOB_VALUES[row_method(m)[0]])}"
+            for m in methods
+        )
         + ".",
         f"Selection: {SCORECARD.selection_rule} (on the last epoch).",
         f"Curve epochs {list(evaluated_epochs(size.unlearn_epochs))}: forget_quality, forget_Q_A_ROUGE and "
@@ -933,7 +977,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m palu_lab.converged", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(model="smollm2", data="tofu")  # the real model on real TOFU, nothing else
-    parser.add_argument("--methods", nargs="+", choices=list(CONVERGED_KNOB_VALUES))
+    parser.add_argument("--methods", nargs="+", choices=[*CONVERGED_KNOB_VALUES, *FORM_ROWS])
     parser.add_argument(
         "--lora",
         action="store_true",
@@ -951,7 +995,7 @@ def main(argv=None) -> None:
     args = parse_arguments(parser, argv, "converged")
     args.size = "smollm2-converged" + ("-fast" if args.fast else "")
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    run(args, args.methods or list(REAL_MODEL_LORA_METHODS if args.lora else REAL_MODEL_METHODS))
+    run(args, args.methods or list(REAL_MODEL_LORA_METHODS if args.lora else CONVERGED_ROWS))
 
 
 if __name__ == "__main__":

@@ -80,8 +80,11 @@ def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int
     if converged.LORA_OVERRIDE in overrides:  # adapters: the same strengths at LoRA's rates, PALU milder
         learning_rate /= converged.LORA_RATE_FACTOR
         method = "PALU-LoRA" if method == "PALU" else method
+    if "trainer.method_args.target_gradient=true" in overrides:  # issue 59's form: no cliff
+        method = "PALU-c-gradient"
     strength = {1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0, 3e-4: 2.0}[round(learning_rate, 12)]
-    base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6, "PALU-LoRA": 0.3}[method]
+    base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6, "PALU-LoRA": 0.3,
+            "PALU-c-gradient": 0.5, "PALU_release": 0.45}[method]  # fmt: skip
     quality = min(1.0, 1e-4 * 10 ** (4 * base * strength * share))
     utility = ORIGINAL_MU * (1 - 0.15 * strength * share)
     if learning_rate == 3e-5 and method == "PALU":  # the cliff
@@ -192,7 +195,8 @@ def fake_experiment(tmp_path, monkeypatch):
 def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     framework, arguments, out = fake_experiment
     converged.main(arguments)
-    tuning, seeds, cliff = 5 * 2 * len(SIZE.unlearn_learning_rates), 5 * 2, len(CLIFF_VARIANTS)
+    rows = len(converged.CONVERGED_ROWS)  # the five methods, PALU with c's gradient, PALU_release
+    tuning, seeds, cliff = rows * 2 * len(SIZE.unlearn_learning_rates), rows * 2, len(CLIFF_VARIANTS)
     assert len(framework.trained) == tuning + seeds + cliff
     assert len(framework.evaluated) == (tuning + seeds + cliff) * 6  # epochs 1, 2, 4, 6, 8, then 10
     assert not list((out.parent / ".cache").glob("unlearn-*/checkpoint-*"))  # deleted once evaluated
@@ -202,6 +206,15 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     # 3e-5 run falls off the cliff)
     assert summary["selected"]["NPO"] == "NPO_lr0.0001_beta0.1_seed0"
     assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
+    assert summary["selected"]["PALU_cgrad"] == "PALU_lr0.0001_lambda1_c-gradient_seed0"
+    assert summary["selected"]["PALU_release"] == "PALU_release_lr0.0001_alpha1_seed0"
+    # the new rows' runs start with the detached form's cliff rate, then 1e-4 (the pool's order)
+    new = [
+        next(part for part in overrides if part.startswith("trainer.args.learning_rate="))
+        for overrides in framework.trained
+        if "trainer=PALU_release" in overrides or any("target_gradient" in part for part in overrides)
+    ]
+    assert new[:4] == ["trainer.args.learning_rate=3e-05"] * 2 + ["trainer.args.learning_rate=0.0001"] * 2
     palu = summary["rows"]["PALU"]["forget_quality"]
     assert palu["seeds"] == 3 and palu["high"] == pytest.approx(palu["low"] * 1.1)
     assert summary["reading"][0].startswith("PALU beats")

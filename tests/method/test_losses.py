@@ -97,6 +97,43 @@ def test_gradient_through_the_target_is_the_released_codes():
     assert torch.all(gradient != 0)  # every logit, not only the top-K
 
 
+# Which (target c, gradient through c) pairs follow the gradient of a shift-invariant loss: adding one
+# constant to every logit leaves the softmax unchanged, so a step along the all-ones direction of the logits
+# forgets nothing (issue 59). docs/method.md's table states the same.
+SHIFT_INVARIANT = {
+    ("global_mean", True): True,
+    ("topk_mean", True): True,
+    ("uniform", True): True,
+    ("global_mean", False): False,
+    # the top-K's deviations from their own mean sum to zero, so ∂ℓ/∂c = 0: detaching c changes nothing
+    ("topk_mean", False): True,
+    ("uniform", False): False,
+    ("ref_mean", True): False,  # the reference's mean is a constant: no gradient to carry
+    ("ref_mean", False): False,
+    ("zero", True): False,
+    ("zero", False): False,
+}
+
+
+@pytest.mark.parametrize(("target", "target_gradient"), list(SHIFT_INVARIANT))
+def test_each_position_logit_gradient_sums_to_zero_exactly_for_the_shift_invariant_forms(
+    target, target_gradient
+):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 64, dtype=torch.float64) + 5).requires_grad_(True)
+    topk = logits.detach().topk(10, dim=-1).indices  # above the mean: deviations do not cancel
+    reference_mean = torch.full((4,), 4.0, dtype=torch.float64)
+    loss = local_entropy_loss(logits, topk, target, reference_mean, target_gradient=target_gradient)
+    (gradient,) = torch.autograd.grad(loss, logits)
+    per_position_sum = gradient.sum(-1)
+    if SHIFT_INVARIANT[(target, target_gradient)]:
+        torch.testing.assert_close(per_position_sum, torch.zeros(4, dtype=torch.float64), atol=1e-12, rtol=0)
+        shifted = local_entropy_loss(logits + 7.5, topk, target, reference_mean, target_gradient)
+        assert shifted.item() == pytest.approx(loss.item(), rel=1e-12)
+    else:
+        assert per_position_sum.abs().min() > 1e-3 * gradient.abs().max()
+
+
 def test_full_vocabulary_k_is_the_variance_around_the_mean():
     logits = torch.randn(4, 32)
     topk = logits.topk(32, dim=-1).indices

@@ -66,6 +66,8 @@ CONVERGED_KNOB_VALUES = {
     "SimNPO": (4.5, 6.5),
     "TPO": (0.32, 1.0),
     "PALU": (1.0, 2.0),
+    # The release ties lambda to alpha (kl_weight: alpha): its knob is alpha, at PALU's lambda values.
+    "PALU_release": (1.0, 2.0),
 }
 
 
@@ -132,6 +134,7 @@ METHODS: dict[str, Method] = {
         bench_variants={},  # the same cost as PALU's cached row
         side_by_side=False,
         muse_experiment="unlearn/muse/palu",
+        knob=method_arg("alpha", 1.0, 2.0, 5.0),
     ),
 }
 
