@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, RunGuard, RunStopped, failed_run_problem
+from palu_trainer.framework.run_guard import (
+    FAILED_RUN_FILE,
+    RunGuard,
+    RunStopped,
+    failed_run_problem,
+    protect_run,
+)
 from palu_trainer.framework.run_plan import (
     disk_estimate,
     disk_space_problem,
@@ -29,7 +35,11 @@ def sigterm_handler_restored():
 
 
 def guarded(trainer):
-    RunGuard(trainer, ["--config-name=unlearn.yaml", "task_name=t"])
+    """PALU's trainer guards itself (so does TPO's): no wrapper attaches it, and it is attached once."""
+    assert isinstance(trainer.run_guard, RunGuard)
+    training_step = trainer.training_step
+    protect_run(trainer, ["--config-name=unlearn.yaml", "task_name=t"])
+    assert trainer.training_step is training_step
     return trainer
 
 

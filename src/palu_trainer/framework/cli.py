@@ -126,8 +126,6 @@ def run_framework_script(script: str, config_name: str) -> None:
         cpu_runtime_missing,
         mid_epoch_warning,
     )
-    from palu_trainer.framework.run_guard import RunStopped
-    from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
 
     module = importlib.import_module(script)
     framework_main = module.main.__wrapped__
@@ -177,7 +175,6 @@ def run_framework_script(script: str, config_name: str) -> None:
                     resuming(framework_load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
                 ),
                 argv,
-                bool(cfg.get(ALLOW_LOW_DISK, False)),
             )
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
@@ -187,9 +184,6 @@ def run_framework_script(script: str, config_name: str) -> None:
             release_process_group()
         except BadInput as error:
             sys.exit(f"{prog}: {error}")
-        except RunStopped as error:
-            print(f"{prog}: {error}", file=sys.stderr)
-            sys.exit(error.exit_code)
         except Exception as error:
             hint = hub_hint(error)
             if hint:

@@ -3,7 +3,6 @@ with this plugin's checks, resuming and stale-weight removal around them."""
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
@@ -138,33 +137,16 @@ def averaging_accumulated_losses(load_trainer):
     return load
 
 
-def guarding(load_trainer, argv: list[str], allow_low_disk: bool = False):
-    """The framework's `load_trainer`, whose training run is checked before its first step (a run that
-    trains nothing, an output folder too small for its saves) and guarded during it (`RunGuard`:
-    divergence, failed saves, SIGTERM). A new run clears an earlier run's failure mark."""
-    from palu_trainer.framework.checks import BadInput
-    from palu_trainer.framework.run_guard import FAILED_RUN_FILE, RunGuard
-    from palu_trainer.framework.run_plan import (
-        disk_space_problem,
-        empty_epoch_problem,
-        zero_learning_rate_problem,
-    )
+def guarding(load_trainer, argv: list[str]):
+    """The framework's `load_trainer`, whose trainer is guarded (`run_guard.protect_run`; PALU's and TPO's
+    guard themselves): the stock trainers under palu-train too."""
+    from palu_trainer.framework.run_guard import protect_run
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
         trainer, trainer_args = load_trainer(*args, **kwargs)
-        if not trainer_args.do_train:
-            return trainer, trainer_args
-        checks = [empty_epoch_problem, zero_learning_rate_problem] + (
-            [] if allow_low_disk else [disk_space_problem]
-        )
-        for check in checks:
-            problem = check(trainer)
-            if problem:
-                raise BadInput(problem)
-        if trainer.is_world_process_zero():
-            (Path(trainer_args.output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
-        RunGuard(trainer, argv)
+        if trainer_args.do_train:
+            protect_run(trainer, argv)
         return trainer, trainer_args
 
     return load

@@ -1,4 +1,6 @@
-"""palu-train's guard on a training run, for what only shows during training.
+"""The guard on a training run, for what only shows during training. PALU's and TPO's trainers attach it
+themselves (`protect_run`), so it holds under the framework's own `src/train.py`; palu-train attaches it to
+the stock trainers too.
 
 - Divergence: a non-finite loss (any micro-batch), gradient norm (each step) or weight (before each save)
   stops the run at that step. Nothing is saved as the final model; the output folder is marked failed
@@ -7,6 +9,11 @@
 - A failed save (disk full): the partial checkpoint or final model is removed, the folder marked failed.
 - Preemption: on SIGTERM the current step finishes, a resumable checkpoint is written, and the run exits
   with 143 (128 + SIGTERM), printing the command that resumes it.
+- Before the first step (`run_plan`): a run that trains nothing, an output folder too small for its saves;
+  an earlier run's failure mark is cleared.
+
+A stop is a `RunStopped`: a SystemExit with the run's exit code whose message is printed when it is raised,
+so that the framework's Hydra app (which reports any Exception with a traceback) exits with the message alone.
 
 The checks hook into the trainer instance (its `training_step`, step-end `_maybe_log_save_evaluate`,
 `save_model`, `_save_checkpoint` and `train`), so they hold for PALU, TPO and every stock trainer. Under
@@ -18,6 +25,7 @@ import math
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -29,12 +37,17 @@ FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
-class RunStopped(RuntimeError):
-    """The run stopped before its end on purpose; the message says why and what to do next."""
+class RunStopped(SystemExit):
+    """The run stopped before its end on purpose; the message (printed to stderr when raised, prefixed with
+    the program) says why and what to do next."""
 
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
+    def __init__(self, message: str, exit_code: int = 1, program: str = "palu-train"):
+        super().__init__(exit_code)
+        self.message, self.exit_code = message, exit_code
+        print(f"{program}: {message}", file=sys.stderr, flush=True)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def failed_run(folder) -> dict | None:
@@ -65,12 +78,43 @@ def number(value) -> str:
     return f"{float(value):.4g}" if value is not None else "not computed"
 
 
-class RunGuard:
-    """Installs the checks on `trainer`; `argv` is palu-train's command line, for the resume command."""
+def hydra_command() -> tuple[list[str], list[str]]:
+    """The running Hydra app's command (`python src/train.py`) and its arguments (`--config-name` and the
+    overrides), for the resume command of a run that no wrapper started."""
+    from hydra.core.hydra_config import HydraConfig
 
-    def __init__(self, trainer, argv: list[str]):
+    script = sys.argv[0]
+    command = ["python", script] if script.endswith(".py") else [Path(script).name]
+    if not HydraConfig.initialized():
+        return command, sys.argv[1:]
+    hydra = HydraConfig.get()
+    return command, [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
+
+
+def protect_run(trainer, argv: list[str] | None = None, program: str | None = None) -> "RunGuard":
+    """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
+    scripts) with the running Hydra app's. An override `allow_low_disk_space=true` skips the disk check."""
+    guard = getattr(trainer, "run_guard", None)
+    if guard is None:
+        command, arguments = (["palu-train"], argv) if argv is not None else hydra_command()
+        guard = trainer.run_guard = RunGuard(trainer, arguments, command if program is None else [program])
+    return guard
+
+
+class RunGuard:
+    """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
+    command. The SIGTERM handler is installed while `train` runs."""
+
+    def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
+        from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
+
         self.trainer = trainer
-        self.argv = argv
+        self.argv = list(argv)
+        self.command = list(command)
+        self.program = Path(self.command[-1]).name
+        self.allow_low_disk = any(
+            arg.lstrip("+~").lower() in (f"{ALLOW_LOW_DISK}=true", f"{ALLOW_LOW_DISK}=1") for arg in argv
+        )
         self.nonfinite_loss = None  # (step, loss, terms) of this rank's first non-finite micro-batch
         self.sigterm = False
         self.stopping_for_sigterm = False
@@ -79,11 +123,28 @@ class RunGuard:
         trainer.save_model = self._checking_saves(trainer.save_model)
         trainer._save_checkpoint = self._removing_failed_checkpoints(trainer._save_checkpoint)
         trainer.train = self._reporting_preemption(trainer.train)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
         self.sigterm = True
-        print("palu-train: SIGTERM: finishing this step, then writing a checkpoint", file=sys.stderr)
+        print(f"{self.program}: SIGTERM: finishing this step, then writing a checkpoint", file=sys.stderr)
+
+    def check_plan(self) -> None:
+        """Refuse a run that would train nothing or could not save, before its first step; clear an earlier
+        run's failure mark."""
+        from palu_trainer.framework.checks import BadInput
+        from palu_trainer.framework.run_plan import (
+            disk_space_problem,
+            empty_epoch_problem,
+            zero_learning_rate_problem,
+        )
+
+        checks = [empty_epoch_problem, zero_learning_rate_problem]
+        for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
+            problem = check(self.trainer)
+            if problem:
+                raise BadInput(problem)
+        if self.trainer.is_world_process_zero():
+            (Path(self.trainer.args.output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
 
     # -- divergence ---------------------------------------------------------------------------------------
 
@@ -168,6 +229,7 @@ class RunGuard:
             f"{message}; {output_dir} is marked failed ({FAILED_RUN_FILE}), so palu-eval refuses it. "
             f"{next_step}",
             exit_code,
+            self.program,
         )
 
     def _nonfinite_weights(self) -> list[str]:
@@ -234,7 +296,14 @@ class RunGuard:
 
     def _reporting_preemption(self, train):
         def run(*args, **kwargs):
-            result = train(*args, **kwargs)
+            self.check_plan()
+            main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
+            handler = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+            try:
+                result = train(*args, **kwargs)
+            finally:
+                if main_thread:
+                    signal.signal(signal.SIGTERM, handler)
             if self.stopping_for_sigterm:
                 step = self.trainer.state.global_step
                 checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
@@ -242,17 +311,18 @@ class RunGuard:
                     f"stopped by SIGTERM after step {step} of {self.trainer.state.max_steps}: {checkpoint} "
                     f"holds the model and optimizer state. Resume with:\n  {self.resume_command(checkpoint)}",
                     PREEMPTED_EXIT_CODE,
+                    self.program,
                 )
             return result
 
         return run
 
     def resume_command(self, checkpoint: Path) -> str:
-        """palu-train's command line with `resume_from_checkpoint` set to `checkpoint`."""
+        """The run's command line with `resume_from_checkpoint` set to `checkpoint`."""
         kept = [
             arg for arg in self.argv if not arg.lstrip("+").startswith("trainer.args.resume_from_checkpoint=")
         ]
-        command = shlex.join(["palu-train", *kept, f"+trainer.args.resume_from_checkpoint={checkpoint}"])
+        command = shlex.join([*self.command, *kept, f"+trainer.args.resume_from_checkpoint={checkpoint}"])
         if self.trainer.accelerator.num_processes > 1:
             return f"{command}   (under your launcher, e.g. accelerate launch, as before)"
         return command

@@ -4,12 +4,11 @@ import logging
 
 import torch
 
-from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.lora import adapters_disabled, base_model
 from palu_trainer.framework.projection import logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
-from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+from palu_trainer.framework.trainers.guarded import GuardedGradDiff
 from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
 from palu_trainer.method.local_loss import resolve_top_k
@@ -27,15 +26,12 @@ from palu_trainer.method.reference_cache import (
 )
 from palu_trainer.method.roles import count_roles
 
-ensure_importable()
-from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
-
 logger = logging.getLogger(__name__)
 
 LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
 
 
-class PALUTrainer(GradDiff):
+class PALUTrainer(GuardedGradDiff):
     """PALU in open-unlearning's GradDiff family: loss = gamma·(local + λ·KL) + alpha·retain, retain one of
     NLL, KL or none. Its options (`trainer.method_args`) are `PALUOptions` (docs/method.md).
 
@@ -62,10 +58,6 @@ class PALUTrainer(GradDiff):
             **kwargs,
         )
         self.options = options
-        # The loss is a mean over each micro-batch: the Trainer divides it by the accumulation steps itself
-        # (transformers >= 4.46 skips that for models that take loss kwargs, expecting num_items_in_batch).
-        self.model_accepts_loss_kwargs = False
-        use_non_reentrant_checkpointing(self.args)
         if options.log_term_gradient_norms and self.is_deepspeed_enabled:
             raise ValueError(
                 "method_args.log_term_gradient_norms=true reads each term's gradient from the parameters, "
@@ -131,17 +123,16 @@ class PALUTrainer(GradDiff):
             return self._cache_fits()
         return bool(reference_cache)
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+    def before_resuming(self) -> None:
         """Resuming builds the reference cache first, from the weights handed to the trainer (the reference:
         the model unlearning started from), before the checkpoint's weights replace them."""
-        if resume_from_checkpoint and self.uses_reference_cache and self.reference_cache is None:
+        if self.uses_reference_cache and self.reference_cache is None:
             if self.is_deepspeed_enabled:
                 raise RuntimeError(
                     "resuming under DeepSpeed loads the checkpoint before the reference cache can be built: "
                     "resume with trainer.method_args.reference_cache=false"
                 )
             self.reference_cache = self._build_reference_cache(self.model)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _cache_fits(self) -> bool:
         """Whether the estimated cache of the forget set fits `reference_cache_max_gib` (checked per rank)."""

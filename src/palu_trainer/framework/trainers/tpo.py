@@ -2,17 +2,13 @@
 
 import torch
 
-from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.datasets import require_token_roles
-from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+from palu_trainer.framework.trainers.guarded import GuardedGradDiff
 from palu_trainer.method.checks import check_loss_weights
 from palu_trainer.method.tpo_losses import check_beta, tpo_preference_loss, tpo_preservation_loss
 
-ensure_importable()
-from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 
-
-class TPOTrainer(GradDiff):
+class TPOTrainer(GuardedGradDiff):
     """loss = gamma·(LPL + PL) + alpha·retain (released: all weights 1, retain NLL).
 
     Args (method_args):
@@ -26,9 +22,6 @@ class TPOTrainer(GradDiff):
         self.check_method_args({**kwargs, "beta": beta})
         self.beta = beta
         super().__init__(*args, **kwargs)
-        # A mean per micro-batch, as PALU's: the Trainer divides it by the accumulation steps (PALUTrainer)
-        self.model_accepts_loss_kwargs = False
-        use_non_reentrant_checkpointing(self.args)
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)

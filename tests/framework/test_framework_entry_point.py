@@ -1,0 +1,161 @@
+"""The framework's own entry point, `python src/train.py` in its checkout, with the plugin installed and
+nothing of the framework edited: PALU registers itself (the Hydra search-path plugin), trains as under
+palu-train, and its trainer carries the run guard (divergence, SIGTERM) and resuming with it. Another Hydra
+app in the same environment imports nothing of PALU's."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from palu_trainer.framework.checkout import checkout_dir
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, PREEMPTED_EXIT_CODE
+
+from .test_bad_inputs import BIN, QUICK_RUN
+from .test_run_faults import FINISHED_LOOKING, steps_logged
+
+
+def framework_command(tofu_mirror, model_dir, out_dir, overrides) -> list[str]:
+    """QUICK_RUN with the data paths set on the command line (no TOFU_DIR: only palu-train reads it) and
+    the stock evaluator left out (its data would come from the hub)."""
+    paths = [
+        f"data.forget.{dataset}.args.hf_args.path={tofu_mirror}" for dataset in ("TOFU_QA_forget_spans",)
+    ] + [f"data.retain.TOFU_QA_retain.args.hf_args.path={tofu_mirror}"]
+    models = [
+        f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
+    ]
+    return [*QUICK_RUN, *paths, *models, "~eval", "~eval.tofu", f"paths.output_dir={out_dir}", *overrides]
+
+
+def environment() -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TOFU_DIR"}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_framework_train(arguments, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def losses(out_dir) -> list[tuple]:
+    history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
+    keys = ("loss", "grad_norm", "local_loss", "kl_loss", "retain_loss")
+    return [tuple(entry.get(key) for key in keys) for entry in history if "loss" in entry]
+
+
+@pytest.mark.slow(minutes=2)
+@pytest.mark.stack
+def test_palu_and_tpo_train_through_the_frameworks_own_train_py_as_through_palu_train(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    steps = ["+trainer.args.max_steps=3", "trainer.args.logging_steps=1"]
+    framework = framework_command(tofu_mirror, tiny_model_dir, tmp_path / "framework", steps)
+    result = run_framework_train(framework)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "PALUTrainer Trainer loaded" in result.stdout + result.stderr
+    same = framework_command(tofu_mirror, tiny_model_dir, tmp_path / "palu-train", steps)
+    wrapped = subprocess.run(
+        [str(BIN / "palu-train"), *same],
+        env=environment(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert wrapped.returncode == 0, (wrapped.stdout + wrapped.stderr)[-4000:]
+    through_framework = losses(tmp_path / "framework")
+    assert len(through_framework) == 3 and all(value > 0 for value in through_framework[0][:3])
+    assert through_framework == losses(tmp_path / "palu-train")
+    assert (tmp_path / "framework" / "model.safetensors").is_file()
+
+    tpo = [arg.replace("experiment=unlearn/tofu/palu", "experiment=unlearn/tofu/tpo") for arg in framework]
+    tpo = [arg.replace("/framework", "/tpo") for arg in tpo]
+    result = run_framework_train(tpo)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    history = json.loads((tmp_path / "tpo" / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_a_diverged_run_through_train_py_exits_non_zero_with_the_message_and_saves_no_model(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    out = tmp_path / "run"
+    overrides = [
+        "+trainer.args.max_steps=6",
+        "trainer.args.learning_rate=1e6",
+        "trainer.args.logging_steps=1",
+    ]
+    result = run_framework_train(framework_command(tofu_mirror, tiny_model_dir, out, overrides))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert re.search(r"train\.py: training diverged at step \d+", output)
+    assert "lower trainer.args.learning_rate (now 1e+06)" in output
+    assert "Traceback" not in output and "Error executing job" not in output
+    assert (out / FAILED_RUN_FILE).is_file()
+    assert not any((out / name).exists() for name in FINISHED_LOOKING)
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.stack
+def test_sigterm_through_train_py_leaves_a_checkpoint_that_train_py_resumes(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    out = tmp_path / "run"
+    arguments = framework_command(
+        tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
+    )
+    process = subprocess.Popen(
+        [sys.executable, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    output, deadline = "", time.monotonic() + 300
+    while steps_logged(output) < 3 and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        output += line
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=120)
+    output += rest
+    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    step = int(re.search(r"train\.py: stopped by SIGTERM after step (\d+) of 60", output).group(1))
+    checkpoint = out / f"checkpoint-{step}"
+    assert (checkpoint / "optimizer.pt").is_file() and not (out / "model.safetensors").exists()
+
+    resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0])
+    assert resume[:2] == ["python", "src/train.py"]
+    assert resume[-1] == f"+trainer.args.resume_from_checkpoint={checkpoint}"
+    resumed = run_framework_train(resume[2:])
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert steps_logged(resumed.stdout + resumed.stderr) == 60 - step
+    assert (out / "model.safetensors").is_file()
+
+
+def test_another_hydra_app_imports_nothing_of_palus(tmp_path):
+    """The search-path plugin runs in every Hydra app of the environment: outside the framework it only
+    adds a config folder."""
+    (tmp_path / "app.yaml").write_text("value: 1\n")
+    (tmp_path / "app.py").write_text(
+        "import sys, hydra\n"
+        "@hydra.main(version_base=None, config_path='.', config_name='app')\n"
+        "def main(cfg):\n"
+        "    heavy = [m for m in ('torch', 'transformers', 'trainer', 'palu_trainer.framework.datasets')"
+        " if m in sys.modules]\n"
+        "    print('value', cfg.value, 'imported', heavy)\n"
+        "main()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "app.py", "hydra.run.dir=."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "value 1 imported []" in result.stdout
