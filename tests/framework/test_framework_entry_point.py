@@ -10,15 +10,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, PREEMPTED_EXIT_CODE
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
-from .test_run_faults import FINISHED_LOOKING, steps_logged
+from .test_run_faults import FINISHED_LOOKING, preempted_after_three_steps, steps_logged
 
 
 def framework_command(tofu_mirror, model_dir, out_dir, overrides) -> list[str]:
@@ -103,28 +102,20 @@ def test_a_diverged_run_through_train_py_exits_non_zero_with_the_message_and_sav
 
 @pytest.mark.slow(minutes=1.5)
 @pytest.mark.stack
-def test_sigterm_through_train_py_leaves_a_checkpoint_that_train_py_resumes(
-    tmp_path, tiny_model_dir, tofu_mirror
+@pytest.mark.parametrize("preemption", [signal.SIGTERM, signal.SIGINT])
+def test_a_preemption_through_train_py_leaves_a_checkpoint_that_train_py_resumes(
+    preemption, tmp_path, tiny_model_dir, tofu_mirror
 ):
     out = tmp_path / "run"
     arguments = framework_command(
         tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
     )
-    process = subprocess.Popen(
-        [sys.executable, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    output, deadline = "", time.monotonic() + 300
-    while steps_logged(output) < 3 and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output += line
-    process.send_signal(signal.SIGTERM)
-    rest, _ = process.communicate(timeout=120)
-    output += rest
-    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
-    step = int(re.search(r"train\.py: stopped by SIGTERM after step (\d+) of 60", output).group(1))
+    code, output = preempted_after_three_steps(
+        [sys.executable, "src/train.py", *arguments], preemption, environment(), cwd=checkout_dir()
+    )
+    assert code == 128 + preemption, output[-3000:]
+    step = int(re.search(rf"train\.py: stopped by {preemption.name} after step (\d+) of 60", output).group(1))
+    assert "Traceback" not in output
     checkpoint = out / f"checkpoint-{step}"
     assert (checkpoint / "optimizer.pt").is_file() and not (out / "model.safetensors").exists()
 
@@ -135,6 +126,49 @@ def test_sigterm_through_train_py_leaves_a_checkpoint_that_train_py_resumes(
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert steps_logged(resumed.stdout + resumed.stderr) == 60 - step
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def nan_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with nan in two of its weight tensors, as a broken file or a diverged save leaves it."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("nan-model")
+    for path in tiny_model_dir.iterdir():
+        (out / path.name).write_bytes(path.read_bytes())
+    weights = load_file(out / "model.safetensors")
+    for name in sorted(weights)[:2]:
+        weights[name].view(-1)[0] = float("nan")
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("entry_point", ["palu-train", "src/train.py"])
+def test_a_starting_model_with_nan_weights_is_named_before_the_first_step(
+    entry_point, tmp_path, nan_model_dir, tofu_mirror
+):
+    arguments = framework_command(tofu_mirror, nan_model_dir, tmp_path / "run", ["+trainer.args.max_steps=3"])
+    if entry_point == "palu-train":
+        result = subprocess.run(
+            [str(BIN / "palu-train"), *arguments],
+            env=environment(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    else:
+        result = run_framework_train(arguments)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert re.search(
+        r"(palu-train|train\.py): the starting model \(.*\) holds non-finite weights before the first step: "
+        r"2 tensor\(s\) with nan or inf, the first ",
+        output,
+    )
+    assert "training diverged" not in output and "Traceback" not in output
+    assert steps_logged(output) == 0
 
 
 def test_another_hydra_app_imports_nothing_of_palus(tmp_path):

@@ -27,6 +27,22 @@ def steps_logged(output: str) -> int:
     return len(re.findall(r"\{'loss': ", output))
 
 
+def preempted_after_three_steps(argv, preemption, env, cwd=None) -> tuple[int, str]:
+    """Run `argv`, send `preemption` once it has logged three steps; its exit code and whole output."""
+    process = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output, deadline = "", time.monotonic() + 300
+    while steps_logged(output) < 3 and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        output += line
+    process.send_signal(preemption)
+    rest, _ = process.communicate(timeout=120)
+    return process.returncode, output + rest
+
+
 @pytest.mark.slow
 @pytest.mark.stack
 @pytest.mark.parametrize("method", ["PALU", "NPO"])
@@ -104,9 +120,12 @@ def test_a_full_disk_is_refused_before_the_first_step_and_a_failed_save_leaves_n
 
 @pytest.mark.slow
 @pytest.mark.stack
-@pytest.mark.parametrize("method", ["PALU", "NPO"])  # NPO's config saves model-only checkpoints
-def test_sigterm_writes_a_resumable_checkpoint_and_the_printed_command_resumes_it(
-    method, tmp_path, tiny_model_dir, tofu_mirror
+@pytest.mark.parametrize(
+    ("method", "preemption"),
+    [("PALU", signal.SIGTERM), ("NPO", signal.SIGTERM), ("PALU", signal.SIGINT)],  # NPO: model-only saves
+)
+def test_a_preemption_writes_a_resumable_checkpoint_and_the_printed_command_resumes_it(
+    method, preemption, tmp_path, tiny_model_dir, tofu_mirror
 ):
     command = QUICK_RUN if method == "PALU" else [*STOCK_RUN, f"trainer={method}"]
     out = tmp_path / "run"
@@ -117,19 +136,13 @@ def test_sigterm_writes_a_resumable_checkpoint_and_the_printed_command_resumes_i
     ]
     env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [str(BIN / "palu-train"), *command, f"paths.output_dir={out}", *models, *overrides]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = ""
-    deadline = time.monotonic() + 300
-    while steps_logged(output) < 3 and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        output += line
-    process.send_signal(signal.SIGTERM)
-    rest, _ = process.communicate(timeout=120)
-    output += rest
-    assert process.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
-    step = int(re.search(r"palu-train: stopped by SIGTERM after step (\d+) of 60", output).group(1))
+    code, output = preempted_after_three_steps(argv, preemption, env)
+    assert code == 128 + preemption, output[-3000:]
+    assert PREEMPTED_EXIT_CODE == 143
+    step = int(
+        re.search(rf"palu-train: stopped by {preemption.name} after step (\d+) of 60", output).group(1)
+    )
+    assert "Traceback" not in output
     assert 3 <= step < 60
     checkpoint = out / f"checkpoint-{step}"
     assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "trainer_state.json").is_file()

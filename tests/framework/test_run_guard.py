@@ -184,3 +184,30 @@ def test_the_disk_estimate_matches_what_the_run_writes(make_trainer, monkeypatch
     assert "but the run writes about" in problem and "2 checkpoint(s) of" in problem
     free["free"] = estimate["total"]
     assert disk_space_problem(trainer) is None
+
+
+@pytest.mark.parametrize("role", ["starting model", "reference model"])
+def test_non_finite_starting_weights_stop_before_the_first_step_naming_the_tensors(make_trainer, role):
+    trainer = guarded(make_trainer(max_steps=2, top_k=64, reference_cache=False))
+    model = trainer.model if role == "starting model" else trainer.ref_model
+    with torch.no_grad():
+        for _, parameter in list(model.named_parameters())[3:5]:
+            parameter.view(-1)[0] = math.nan
+    first = [name for name, _ in model.named_parameters()][3]
+    with pytest.raises(RunStopped) as stopped:
+        trainer.train()
+    assert stopped.value.exit_code == 1 and trainer.state.global_step == 0
+    assert f"the {role} (" in str(stopped.value)
+    assert (
+        f"holds non-finite weights before the first step: 2 tensor(s) with nan or inf, the first {first}"
+        in str(stopped.value)
+    )
+    assert not (Path(trainer.args.output_dir) / FAILED_RUN_FILE).exists()  # nothing ran: nothing failed
+
+
+def test_a_second_ctrl_c_stops_at_once(make_trainer):
+    guard = guarded(make_trainer(max_steps=1, top_k=64)).run_guard
+    guard._on_preemption(signal.SIGINT, None)
+    assert guard.preempted_by == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        guard._on_preemption(signal.SIGINT, None)

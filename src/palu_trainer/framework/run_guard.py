@@ -7,10 +7,11 @@ the stock trainers too.
   (`FAILED_RUN_FILE`), which palu-eval and palu-train refuse, and the message names the step, the term and
   what to lower.
 - A failed save (disk full): the partial checkpoint or final model is removed, the folder marked failed.
-- Preemption: on SIGTERM the current step finishes, a resumable checkpoint is written, and the run exits
-  with 143 (128 + SIGTERM), printing the command that resumes it.
-- Before the first step (`run_plan`): a run that trains nothing, an output folder too small for its saves;
-  an earlier run's failure mark is cleared.
+- Preemption: on SIGTERM, or a first SIGINT (Ctrl-C), the current step finishes, a resumable checkpoint is
+  written, and the run exits with 128 + the signal (143, 130), printing the command that resumes it. A
+  second SIGINT stops at once.
+- Before the first step (`run_plan`): a run that trains nothing, an output folder too small for its saves,
+  a starting model or reference with non-finite weights; an earlier run's failure mark is cleared.
 
 A stop is a `RunStopped`: a SystemExit with the run's exit code whose message is printed when it is raised,
 so that the framework's Hydra app (which reports any Exception with a traceback) exits with the message alone.
@@ -103,7 +104,7 @@ def protect_run(trainer, argv: list[str] | None = None, program: str | None = No
 
 class RunGuard:
     """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
-    command. The SIGTERM handler is installed while `train` runs."""
+    command. The SIGTERM and SIGINT handlers are installed while `train` runs."""
 
     def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
         from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
@@ -116,33 +117,40 @@ class RunGuard:
             arg.lstrip("+~").lower() in (f"{ALLOW_LOW_DISK}=true", f"{ALLOW_LOW_DISK}=1") for arg in argv
         )
         self.nonfinite_loss = None  # (step, loss, terms) of this rank's first non-finite micro-batch
-        self.sigterm = False
-        self.stopping_for_sigterm = False
+        self.preempted_by: signal.Signals | None = None  # the first SIGTERM or SIGINT this process got
+        self.stopping_for_preemption = False
         trainer.training_step = self._checking_losses(trainer.training_step)
         trainer._maybe_log_save_evaluate = self._checking_steps(trainer._maybe_log_save_evaluate)
         trainer.save_model = self._checking_saves(trainer.save_model)
         trainer._save_checkpoint = self._removing_failed_checkpoints(trainer._save_checkpoint)
         trainer.train = self._reporting_preemption(trainer.train)
 
-    def _on_sigterm(self, signum, frame):
-        self.sigterm = True
-        print(f"{self.program}: SIGTERM: finishing this step, then writing a checkpoint", file=sys.stderr)
+    def _on_preemption(self, signum, frame):
+        if self.preempted_by == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.preempted_by = self.preempted_by or signal.Signals(signum)
+        again = " (Ctrl-C again stops at once, with no checkpoint)" if signum == signal.SIGINT else ""
+        print(
+            f"{self.program}: {signal.Signals(signum).name}: finishing this step, then writing a "
+            f"checkpoint{again}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def check_plan(self) -> None:
-        """Refuse a run that would train nothing or could not save, before its first step; clear an earlier
-        run's failure mark."""
-        from palu_trainer.framework.checks import BadInput
+        """Refuse a run that would train nothing or could not save, before its first step (the message alone,
+        under the framework's train.py too); clear an earlier run's failure mark."""
         from palu_trainer.framework.run_plan import (
             disk_space_problem,
             empty_epoch_problem,
             zero_learning_rate_problem,
         )
 
-        checks = [empty_epoch_problem, zero_learning_rate_problem]
+        checks = [empty_epoch_problem, zero_learning_rate_problem, self._nonfinite_start_problem]
         for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
             problem = check(self.trainer)
             if problem:
-                raise BadInput(problem)
+                raise RunStopped(problem, 1, self.program)
         if self.trainer.is_world_process_zero():
             (Path(self.trainer.args.output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
 
@@ -169,13 +177,13 @@ class RunGuard:
     def _checking_steps(self, log_save_evaluate):
         def step_end(*args, **kwargs):
             grad_norm = args[1] if len(args) > 1 else kwargs.get("grad_norm")
-            diverged, sigterm = self._agreed(
-                self.nonfinite_loss is not None or not finite(grad_norm), self.sigterm
+            diverged, preempted = self._agreed(
+                self.nonfinite_loss is not None or not finite(grad_norm), self.preempted_by is not None
             )
             if diverged:
                 self._stop_diverged(self._what_diverged(grad_norm))
-            if sigterm and not self.stopping_for_sigterm:
-                self.stopping_for_sigterm = True
+            if preempted and not self.stopping_for_preemption:
+                self.stopping_for_preemption = True
                 control, trainer_args = self.trainer.control, self.trainer.args
                 control.should_save = control.should_training_stop = True
                 trainer_args.save_only_model = False  # the checkpoint must resume: optimizer state too
@@ -232,15 +240,30 @@ class RunGuard:
             self.program,
         )
 
-    def _nonfinite_weights(self) -> list[str]:
+    def _nonfinite_weights(self, model=None) -> list[str]:
         """Names of parameters holding a non-finite value (each rank checks its ZeRO-3 partition)."""
         names = [
             name
-            for name, parameter in self.trainer.model.named_parameters()
+            for name, parameter in (model or self.trainer.model).named_parameters()
             if not torch.isfinite(getattr(parameter, "ds_tensor", parameter)).all()
         ]
         (any_rank,) = self._agreed(bool(names))
         return names or (["(on another process)"] if any_rank else [])
+
+    def _nonfinite_start_problem(self, trainer) -> str | None:
+        """A starting model (or reference) with nan or inf weights: broken before any step, whatever the
+        learning rate."""
+        models = {"starting model": trainer.model, "reference model": getattr(trainer, "ref_model", None)}
+        for role, model in models.items():
+            names = self._nonfinite_weights(model) if model is not None else []
+            if names:
+                path = getattr(getattr(model, "config", None), "name_or_path", "") or "it"
+                return (
+                    f"the {role} ({path}) holds non-finite weights before the first step: {len(names)} "
+                    f"tensor(s) with nan or inf, the first {names[0]}. The model file is broken (or was "
+                    "saved by a run that diverged): train from a model with finite weights"
+                )
+        return None
 
     # -- saves ----------------------------------------------------------------------------------------------
 
@@ -298,19 +321,25 @@ class RunGuard:
         def run(*args, **kwargs):
             self.check_plan()
             main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
-            handler = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+            handlers = {
+                signum: signal.signal(signum, self._on_preemption)
+                for signum in (signal.SIGTERM, signal.SIGINT)
+                if main_thread
+            }
             try:
                 result = train(*args, **kwargs)
             finally:
-                if main_thread:
-                    signal.signal(signal.SIGTERM, handler)
-            if self.stopping_for_sigterm:
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
+            if self.stopping_for_preemption:
                 step = self.trainer.state.global_step
                 checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+                received = self.preempted_by or signal.SIGTERM  # another process's signal: as SIGTERM
                 raise RunStopped(
-                    f"stopped by SIGTERM after step {step} of {self.trainer.state.max_steps}: {checkpoint} "
-                    f"holds the model and optimizer state. Resume with:\n  {self.resume_command(checkpoint)}",
-                    PREEMPTED_EXIT_CODE,
+                    f"stopped by {received.name} after step {step} of {self.trainer.state.max_steps}: "
+                    f"{checkpoint} holds the model and optimizer state. Resume with:\n  "
+                    f"{self.resume_command(checkpoint)}",
+                    128 + received,
                     self.program,
                 )
             return result
