@@ -271,6 +271,24 @@ def test_settings_with_a_real_use_are_warned_about(tmp_path):
     assert "do_train=false: the run trains nothing and saves no model" in no_training
 
 
+@pytest.mark.parametrize(("trainer", "fix"), [("PALU", "unlearn/tofu/palu"), ("TPO", "unlearn/tofu/tpo")])
+def test_palu_or_tpo_on_the_stock_forget_set_stops_before_loading(trainer, fix, tmp_path):
+    """The fourth sweep's last row: the sentence used to come at the end of a traceback, after loading."""
+    cfg, config_problems = composed(
+        [
+            "experiment=unlearn/tofu/default",
+            f"trainer={trainer}",
+            "task_name=t",
+            f"paths.output_dir={tmp_path}",
+        ]
+    )
+    assert config_problems(cfg, "train") == [
+        f"trainer={trainer} reads span roles in the forget batches, which experiment=unlearn/tofu/default's "
+        f"forget set (TOFU_QA_forget) does not make: use experiment={fix} (its span-annotated forget set and "
+        "collator)"
+    ]
+
+
 def test_good_configs_pass_the_checks(tmp_path):
     for overrides in (
         [],

@@ -17,19 +17,22 @@ from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.run_guard import FAILED_RUN_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
-from .test_run_faults import FINISHED_LOOKING, preempted_after_three_steps, steps_logged
+from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after_three_steps, steps_logged
 
 
-def framework_command(tofu_mirror, model_dir, out_dir, overrides) -> list[str]:
-    """QUICK_RUN with the data paths set on the command line (no TOFU_DIR: only palu-train reads it) and
-    the stock evaluator left out (its data would come from the hub)."""
+def framework_command(
+    tofu_mirror, model_dir, out_dir, overrides, run=QUICK_RUN, forget="TOFU_QA_forget_spans"
+) -> list[str]:
+    """`run` (QUICK_RUN: PALU) with the data paths set on the command line (no TOFU_DIR: only palu-train
+    reads it) and the stock evaluator left out (its data would come from the hub)."""
     paths = [
-        f"data.forget.{dataset}.args.hf_args.path={tofu_mirror}" for dataset in ("TOFU_QA_forget_spans",)
-    ] + [f"data.retain.TOFU_QA_retain.args.hf_args.path={tofu_mirror}"]
+        f"data.forget.{forget}.args.hf_args.path={tofu_mirror}",
+        f"data.retain.TOFU_QA_retain.args.hf_args.path={tofu_mirror}",
+    ]
     models = [
         f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
     ]
-    return [*QUICK_RUN, *paths, *models, "~eval", "~eval.tofu", f"paths.output_dir={out_dir}", *overrides]
+    return [*run, *paths, *models, "~eval", "~eval.tofu", f"paths.output_dir={out_dir}", *overrides]
 
 
 def environment() -> dict:
@@ -42,6 +45,15 @@ def run_framework_train(arguments, timeout=600) -> subprocess.CompletedProcess:
         [sys.executable, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+def train_through(entry_point: str, arguments) -> subprocess.CompletedProcess:
+    """palu-train, or the framework's own src/train.py, on the same arguments."""
+    if entry_point == "src/train.py":
+        return run_framework_train(arguments)
+    return subprocess.run(
+        [str(BIN / "palu-train"), *arguments], env=environment(), capture_output=True, text=True, timeout=600
+    )
 
 
 def losses(out_dir) -> list[tuple]:
@@ -60,11 +72,9 @@ def test_palu_and_tpo_train_through_the_frameworks_own_train_py_as_through_palu_
     result = run_framework_train(framework)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "PALUTrainer Trainer loaded" in result.stdout + result.stderr
-    same = framework_command(tofu_mirror, tiny_model_dir, tmp_path / "palu-train", steps)
-    wrapped = subprocess.run(
-        [str(BIN / "palu-train"), *same],
-        env=environment(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    wrapped = train_through(
+        "palu-train", framework_command(tofu_mirror, tiny_model_dir, tmp_path / "palu-train", steps)
+    )
     assert wrapped.returncode == 0, (wrapped.stdout + wrapped.stderr)[-4000:]
     through_framework = losses(tmp_path / "framework")
     assert len(through_framework) == 3 and all(value > 0 for value in through_framework[0][:3])
@@ -150,16 +160,7 @@ def test_a_starting_model_with_nan_weights_is_named_before_the_first_step(
     entry_point, tmp_path, nan_model_dir, tofu_mirror
 ):
     arguments = framework_command(tofu_mirror, nan_model_dir, tmp_path / "run", ["+trainer.args.max_steps=3"])
-    if entry_point == "palu-train":
-        result = subprocess.run(
-            [str(BIN / "palu-train"), *arguments],
-            env=environment(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    else:
-        result = run_framework_train(arguments)
+    result = train_through(entry_point, arguments)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     assert re.search(
@@ -169,6 +170,28 @@ def test_a_starting_model_with_nan_weights_is_named_before_the_first_step(
     )
     assert "training diverged" not in output and "Traceback" not in output
     assert steps_logged(output) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("entry_point", ["palu-train", "src/train.py"])
+def test_palu_on_the_stock_forget_set_stops_with_the_message_alone(
+    entry_point, tmp_path, tiny_model_dir, tofu_mirror
+):
+    """palu-train refuses it before loading (a config check); under train.py, which runs no check before
+    loading, the trainer stops when it is built."""
+    arguments = framework_command(
+        tofu_mirror, tiny_model_dir, tmp_path / "run", ["trainer=PALU"], STOCK_RUN, "TOFU_QA_forget"
+    )
+    result = train_through(entry_point, arguments)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    expected = {
+        "palu-train": "palu-train: trainer=PALU reads span roles in the forget batches",
+        "src/train.py": "train.py: PALU needs token roles in the forget batches",
+    }[entry_point]
+    assert expected in output and "Traceback" not in output, output[-3000:]
+    assert "unlearn/tofu/palu" in output.split(expected)[1].splitlines()[0]
 
 
 def test_another_hydra_app_imports_nothing_of_palus(tmp_path):

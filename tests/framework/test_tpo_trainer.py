@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.framework.trainers.tpo import TPOTrainer
 from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
 
@@ -47,5 +48,5 @@ def test_forget_batches_without_roles_are_rejected(make_trainer):
     ensure_importable()
     from data.collators import DataCollatorForSupervisedDataset
 
-    with pytest.raises(ValueError, match="TPO needs token roles in the forget batches.*unlearn/tofu/tpo"):
+    with pytest.raises(RunStopped, match="TPO needs token roles in the forget batches.*unlearn/tofu/tpo"):
         make_trainer(trainer_class=TPOTrainer, collator=DataCollatorForSupervisedDataset)

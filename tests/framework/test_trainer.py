@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
 
@@ -285,7 +286,7 @@ def test_forget_batches_without_roles_are_rejected(make_trainer):
     ensure_importable()
     from data.collators import DataCollatorForSupervisedDataset
 
-    with pytest.raises(ValueError, match="PALU needs token roles in the forget batches"):
+    with pytest.raises(RunStopped, match="PALU needs token roles in the forget batches"):
         make_trainer(collator=DataCollatorForSupervisedDataset)
 
 

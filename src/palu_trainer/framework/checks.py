@@ -244,15 +244,28 @@ STOCK_RETAIN_LOSSES = ("NLL", "KL")
 
 
 def trainer_data_problem(cfg, script) -> str | None:
-    """A trainer that cannot read span-role forget batches (they carry token roles and row indices)."""
+    """A trainer that cannot read span-role forget batches (they carry token roles and row indices), or PALU
+    and TPO on a forget set without them."""
     handler = cfg.trainer.get("handler")
     forget = OmegaConf.select(cfg, "data.forget") or {}
     span_sets = [name for name, node in forget.items() if node.get("handler") in SPAN_DATASETS]
-    if not span_sets or handler in SPAN_TRAINERS:
-        return None
     experiment = OmegaConf.select(cfg, "hydra.runtime.choices.experiment") or "this experiment"
     trainer = OmegaConf.select(cfg, "hydra.runtime.choices.trainer") or handler
-    stock = "unlearn/muse/default" if "muse" in str(experiment) else "unlearn/tofu/default"
+    muse = "muse" in str(experiment)
+    if handler in SPAN_TRAINERS and forget and not span_sets:
+        own = (
+            "unlearn/muse/palu"
+            if muse
+            else ("unlearn/tofu/tpo" if handler == "TPOTrainer" else "unlearn/tofu/palu")
+        )
+        return (
+            f"trainer={trainer} reads span roles in the forget batches, which "
+            f"experiment={experiment}'s forget set ({', '.join(forget)}) does not make: use "
+            f"experiment={own} (its span-annotated forget set and collator)"
+        )
+    if not span_sets or handler in SPAN_TRAINERS:
+        return None
+    stock = "unlearn/muse/default" if muse else "unlearn/tofu/default"
     return (
         f"trainer={trainer} cannot train on experiment={experiment}'s forget set ({span_sets[0]}: span roles "
         f"and row indices, read by PALU and TPO only; it would fail at the first step). For the stock "

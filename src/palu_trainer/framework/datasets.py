@@ -8,6 +8,7 @@ import tokenizers
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.method.initiating import InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles, count_roles
 from palu_trainer.spans.format import (
@@ -416,12 +417,13 @@ class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
 
 
 def require_token_roles(trainer, method: str, experiment: str) -> None:
-    """Stop before training when a span-based trainer's forget batches carry no `token_roles`."""
+    """Stop before training when a span-based trainer's forget batches carry no `token_roles` (the message
+    alone, exit 1: under the framework's own train.py no config check ran before loading)."""
     forget = getattr(trainer.train_dataset, "forget", None)
     if forget is None or len(forget) == 0:
         return
     if "token_roles" not in trainer.data_collator([forget[0]]):
-        raise ValueError(
+        raise RunStopped(
             f"{method} needs token roles in the forget batches: use the QAwithSpansDataset handler for the "
             f"forget set and the DataCollatorWithTokenRoles collator ({experiment} does)"
         )

@@ -40,12 +40,12 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 class RunStopped(SystemExit):
     """The run stopped before its end on purpose; the message (printed to stderr when raised, prefixed with
-    the program) says why and what to do next."""
+    the program: palu-train, train.py) says why and what to do next."""
 
-    def __init__(self, message: str, exit_code: int = 1, program: str = "palu-train"):
+    def __init__(self, message: str, exit_code: int = 1, program: str | None = None):
         super().__init__(exit_code)
         self.message, self.exit_code = message, exit_code
-        print(f"{program}: {message}", file=sys.stderr, flush=True)
+        print(f"{program or Path(sys.argv[0]).name}: {message}", file=sys.stderr, flush=True)
 
     def __str__(self) -> str:
         return self.message
