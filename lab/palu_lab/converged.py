@@ -51,6 +51,7 @@ from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import (
     CONVERGED_KNOB_VALUES,
     METHODS,
+    PALU_FORMS,
     REAL_MODEL_BASELINES,
     REAL_MODEL_LORA_METHODS,
     REAL_MODEL_METHODS,
@@ -260,7 +261,7 @@ def cliff_runs(size: RealTofuSize) -> list[Run]:
 
 def run_overrides(run: Run) -> tuple[str, ...]:
     """The run's command line additions: its own, checkpoints per epoch, and PALU's term gradient norms."""
-    norms = (TERM_GRADIENT_NORMS,) if run.method in PALU_METHODS else ()
+    norms = (TERM_GRADIENT_NORMS,) if run.method in PALU_FORMS else ()
     return (*run.overrides(), *PER_EPOCH, *norms)
 
 
@@ -330,7 +331,6 @@ def select(curves: Sequence[Curve], original_utility: float) -> Curve:
     return curves[finals.index(chosen)]
 
 
-PALU_METHODS = ("PALU", "PALU_release")
 TERM_KEYS = ("local_loss", "kl_loss", "retain_loss", "grad_norm", "grad_norm_local", "grad_norm_kl")
 TERM_KEYS += ("grad_norm_retain",)
 
@@ -850,7 +850,7 @@ def write_report(
         "terms": {
             curve.run.name: logged_terms(curve)
             for curve in (*tuning, *cliff)
-            if curve.run.method in PALU_METHODS
+            if curve.run.method in PALU_FORMS
         },
         **{key: value for key, value in extra.items() if key not in ("notes", "baselines", "subject")},
     }

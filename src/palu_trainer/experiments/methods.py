@@ -149,6 +149,7 @@ GPU_CHECK_BASELINES = ("TPO", "NPO")
 REAL_MODEL_METHODS = ("GradDiff", "NPO", "SimNPO", "TPO", "PALU")
 REAL_MODEL_LORA_METHODS = ("PALU", "NPO")  # `make converged LORA=1`: its LoRA rows (issue 32)
 REAL_MODEL_BASELINES = ("NPO", "SimNPO", "TPO")
+PALU_FORMS = ("PALU", "PALU_release")  # the table's entries that run PALUTrainer (they log its terms)
 
 
 def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, ...]:
