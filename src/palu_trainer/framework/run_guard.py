@@ -92,13 +92,13 @@ def hydra_command() -> tuple[list[str], list[str]]:
     return command, [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
 
 
-def protect_run(trainer, argv: list[str] | None = None, program: str | None = None) -> "RunGuard":
+def protect_run(trainer, argv: list[str] | None = None) -> "RunGuard":
     """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
     scripts) with the running Hydra app's. An override `allow_low_disk_space=true` skips the disk check."""
     guard = getattr(trainer, "run_guard", None)
     if guard is None:
         command, arguments = (["palu-train"], argv) if argv is not None else hydra_command()
-        guard = trainer.run_guard = RunGuard(trainer, arguments, command if program is None else [program])
+        guard = trainer.run_guard = RunGuard(trainer, arguments, command)
     return guard
 
 
@@ -244,7 +244,7 @@ class RunGuard:
         """Names of parameters holding a non-finite value (each rank checks its ZeRO-3 partition)."""
         names = [
             name
-            for name, parameter in (model or self.trainer.model).named_parameters()
+            for name, parameter in (self.trainer.model if model is None else model).named_parameters()
             if not torch.isfinite(getattr(parameter, "ds_tensor", parameter)).all()
         ]
         (any_rank,) = self._agreed(bool(names))
