@@ -216,3 +216,80 @@ def test_another_hydra_app_imports_nothing_of_palus(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "value 1 imported []" in result.stdout
+
+
+# The stock TOFU evaluator's metrics but forget_Q_A_Prob, whose data the test sets locally.
+OTHER_TOFU_METRICS = (
+    "forget_truth_ratio", "forget_quality", "forget_Q_A_ROUGE", "model_utility", "privleak",
+    "extraction_strength",
+)  # fmt: skip
+
+
+def run_framework_eval(arguments) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "src/eval.py", *arguments], cwd=checkout_dir(), env=environment(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow(minutes=2)
+@pytest.mark.stack
+def test_palu_with_lora_trains_through_train_py_as_through_palu_train_and_eval_py_evaluates_it(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    steps = ["+peft=lora", "peft.r=4", "+trainer.args.max_steps=3", "trainer.args.logging_steps=1"]
+    out = tmp_path / "framework"
+    result = run_framework_train(framework_command(tofu_mirror, tiny_model_dir, out, steps))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    wrapped = train_through(
+        "palu-train", framework_command(tofu_mirror, tiny_model_dir, tmp_path / "palu-train", steps)
+    )
+    assert wrapped.returncode == 0, (wrapped.stdout + wrapped.stderr)[-4000:]
+    assert len(losses(out)) == 3 and losses(out) == losses(tmp_path / "palu-train")
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["base_model_name_or_path"] == str(tiny_model_dir)
+    assert (out / "model.safetensors").is_file()
+
+    model = [f"model.{args}.pretrained_model_name_or_path={out}" for args in ("model_args", "tokenizer_args")]
+    dataset = "eval.tofu.metrics.forget_Q_A_Prob.datasets.TOFU_QA_forget.args.hf_args.path"
+    evaluation = run_framework_eval(
+        [
+            "experiment=eval/tofu/tiny",
+            "+runtime=cpu",
+            "forget_split=forget01",
+            "task_name=lora",
+            *(f"~eval.tofu.metrics.{metric}" for metric in OTHER_TOFU_METRICS),
+            f"{dataset}={tofu_mirror}",
+            *model,
+            f"paths.output_dir={tmp_path / 'eval'}",
+        ]  # fmt: skip
+    )
+    assert evaluation.returncode == 0, (evaluation.stdout + evaluation.stderr)[-4000:]
+    summary = json.loads((tmp_path / "eval" / "TOFU_SUMMARY.json").read_text())
+    assert set(summary) == {"forget_Q_A_Prob"} and 0 < summary["forget_Q_A_Prob"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_lora_target_modules_that_match_nothing_stop_before_training_through_both_entry_points(
+    entry_point, tmp_path, tiny_model_dir, tofu_mirror
+):
+    overrides = ["+peft=lora", "peft.target_modules=[qkv]", "+trainer.args.max_steps=1"]
+    result = train_through(
+        entry_point, framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides)
+    )
+    output = result.stdout + result.stderr
+    program = "train.py" if entry_point == "src/train.py" else "palu-train"
+    assert result.returncode == 1, output[-3000:]
+    assert f"{program}: peft.target_modules=['qkv'] matches no module of llama" in output
+    assert "Traceback" not in output and not (tmp_path / "run" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_config_stops_train_py_with_the_plugins_message(tmp_path, tiny_model_dir, tofu_mirror):
+    overrides = ["+peft=lora", "peft.r=0"]
+    result = run_framework_train(framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides))
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "train.py: peft.r=0: must be a number >= 1 (the adapters' rank)" in output
+    assert "Traceback" not in output and "PALUTrainer Trainer loaded" not in output

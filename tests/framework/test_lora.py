@@ -75,7 +75,7 @@ def test_settings_are_refused_with_the_key_and_what_it_takes(values, message):
 def test_the_shipped_config_is_the_default_settings():
     from palu_trainer.framework.checkout import CONFIG_DIR
 
-    shipped = LoraSettings.from_config(OmegaConf.load(CONFIG_DIR / "peft" / "lora.yaml"))
+    shipped = LoraSettings.from_config(OmegaConf.load(CONFIG_DIR / "peft" / "lora.yaml").peft)
     assert shipped == LoraSettings()
     assert shipped.target_modules == "all-linear"
 

@@ -10,18 +10,9 @@ import sys
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.hydra_callback import CALLBACK_OVERRIDE
 from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-from palu_trainer.framework.patches import (
-    averaging_accumulated_losses,
-    checking_data,
-    checking_vocabulary,
-    guarding,
-    merging_adapter_checkpoints,
-    resuming,
-    training_with_adapters,
-    upcasting_evaluation_logits,
-    with_adapters,
-)
+from palu_trainer.framework.patches import averaging_accumulated_losses, guarding, resuming
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
@@ -117,7 +108,8 @@ def run_framework_script(script: str, config_name: str) -> None:
     if problem:
         sys.exit(f"{prog}: {problem}")
     register()
-    composed = precheck(prog, script, config_name, src.parent / "configs", sys.argv[1:])
+    composed = precheck(prog, script, config_name, src.parent / "configs", argv)
+    sys.argv.append(CALLBACK_OVERRIDE)
     if composed is not None:
         answering_hydras_mode_probe(composed.hydra.mode)
     from palu_trainer.framework.checks import (
@@ -130,7 +122,6 @@ def run_framework_script(script: str, config_name: str) -> None:
     module = importlib.import_module(script)
     framework_main = module.main.__wrapped__
     load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
-    get_model, get_data = module.get_model, getattr(module, "get_data", None)
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
@@ -143,12 +134,6 @@ def run_framework_script(script: str, config_name: str) -> None:
                 logger.info("local dataset mirror: %s", line)
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
-        module.get_model = upcasting_evaluation_logits(
-            checking_vocabulary(merging_adapter_checkpoints(get_model))
-        )
-        lora = load_trainer is not None and cfg.get("peft") is not None
-        if lora:
-            module.get_model = with_adapters(module.get_model, cfg.peft)
         if load_trainer is not None:
             from trainer import TRAINER_REGISTRY
 
@@ -169,16 +154,15 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
-            framework_load_trainer = training_with_adapters(load_trainer) if lora else load_trainer
+            # module.load_trainer: the framework's, as the Hydra callback wrapped it (LoRA)
             module.load_trainer = guarding(
                 averaging_accumulated_losses(
-                    resuming(framework_load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+                    resuming(module.load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
                 ),
                 argv,
             )
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
-            module.get_data = checking_data(get_data, cfg)
         try:
             framework_main(cfg)
             release_process_group()

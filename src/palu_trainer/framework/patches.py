@@ -1,5 +1,7 @@
-"""The framework's loaders wrapped by palu-train: its train.py's `load_trainer`, `get_model` and `get_data`
-with this plugin's checks, resuming and stale-weight removal around them."""
+"""The framework's loaders wrapped: its train.py's `load_trainer`, `get_model` and `get_data` with this
+plugin's checks, LoRA adapters, resuming and stale-weight removal around them. `patch_framework_script` is
+what every run gets (the Hydra callback applies it under src/train.py and palu-train alike); `resuming`,
+`averaging_accumulated_losses` and `guarding` are palu-train's, for the stock trainers."""
 
 import functools
 import logging
@@ -223,3 +225,35 @@ def training_with_adapters(load_trainer):
         return saving_merged(without_empty_parameter_groups(trainer)), trainer_args
 
     return load
+
+
+def stopping_on_bad_input(load):
+    """`load`, whose BadInput (a message naming the mistake and its fix) stops the run with the message
+    alone: under src/train.py nothing else would catch it."""
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.framework.run_guard import RunStopped
+
+    @functools.wraps(load)
+    def checked(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        except BadInput as error:
+            raise RunStopped(str(error)) from None
+
+    return checked
+
+
+def patch_framework_script(module, cfg) -> None:
+    """Wrap the running framework script's (`module`: train.py or eval.py) loaders for the run `cfg`: models
+    checked against their tokenizer, LoRA checkpoints merged, evaluation logits in fp32, LoRA adapters
+    (`+peft=lora`) and the forget/retain overlap check."""
+    get_model = upcasting_evaluation_logits(
+        checking_vocabulary(merging_adapter_checkpoints(module.get_model))
+    )
+    training = hasattr(module, "load_trainer")
+    if training and cfg.get("peft") is not None:
+        get_model = with_adapters(get_model, cfg.peft)
+        module.load_trainer = training_with_adapters(module.load_trainer)
+    module.get_model = stopping_on_bad_input(get_model)
+    if training:
+        module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
