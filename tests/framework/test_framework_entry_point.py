@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
+from palu_trainer.framework.checks import OVERWRITE_FLAG
 from palu_trainer.framework.run_guard import FAILED_RUN_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
@@ -293,3 +294,36 @@ def test_a_bad_config_stops_train_py_with_the_plugins_message(tmp_path, tiny_mod
     assert result.returncode == 1, output[-3000:]
     assert "train.py: peft.r=0: must be a number >= 1 (the adapters' rank)" in output
     assert "Traceback" not in output and "PALUTrainer Trainer loaded" not in output
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.stack
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_a_folder_with_a_finished_model_or_a_failed_mark_is_not_overwritten_unless_asked(
+    entry_point, tmp_path, tiny_model_dir, tofu_mirror
+):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the finished model")
+    steps = ["+trainer.args.max_steps=2"]
+    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
+    output = refused.stdout + refused.stderr
+    program = "train.py" if entry_point == "src/train.py" else "palu-train"
+    assert refused.returncode == 1, output[-3000:]
+    assert f"{program}: paths.output_dir={out} already holds a finished model (model.safetensors)" in output
+    assert f"add {OVERWRITE_FLAG} to replace it" in output and "Traceback" not in output
+    assert "PALUTrainer Trainer loaded" not in output
+    assert (out / "model.safetensors").read_text() == "the finished model"
+
+    (out / "model.safetensors").unlink()
+    (out / FAILED_RUN_FILE).write_text(json.dumps({"reason": "diverged", "step": 3}))
+    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
+    assert refused.returncode == 1
+    assert f"already holds a failed run's marker ({FAILED_RUN_FILE})" in refused.stdout + refused.stderr
+
+    (out / "model.safetensors").write_text("the finished model")
+    overwritten = train_through(
+        entry_point, framework_command(tofu_mirror, tiny_model_dir, out, [*steps, OVERWRITE_FLAG])
+    )
+    assert overwritten.returncode == 0, (overwritten.stdout + overwritten.stderr)[-3000:]
+    assert (out / "model.safetensors").stat().st_size > 10_000 and not (out / FAILED_RUN_FILE).exists()

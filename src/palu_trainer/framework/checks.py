@@ -24,7 +24,8 @@ from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
 from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
-from palu_trainer.framework.run_guard import failed_run_problem
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem
+from palu_trainer.framework.stale_weights import final_weights
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
     forget_weight_warning,
@@ -155,6 +156,32 @@ def lora_checkpoint_problem(key: str, value: str) -> str | None:
         f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
         f"({ADAPTER_CONFIG_NAME}: base_model_name_or_path) is not a saved model folder: put the model the "
         "run started from back there, or evaluate the run's final folder, which holds the merged weights"
+    )
+
+
+OVERWRITE_FLAG = "++trainer.args.overwrite_output_dir=true"
+
+
+def finished_folder_problem(cfg, script) -> str | None:
+    """A new run into a folder that holds a finished model or a failed run's marker, which it would replace
+    without a word: refused unless overwriting is asked for (transformers' `overwrite_output_dir`) or the run
+    resumes."""
+    args = cfg.trainer.args
+    if (
+        args.get("resume_from_checkpoint")
+        or args.get("overwrite_output_dir")
+        or not args.get("do_train", True)
+    ):
+        return None
+    folder = Path(str(cfg.paths.output_dir)).expanduser()
+    held = final_weights(folder) + ([FAILED_RUN_FILE] if (folder / FAILED_RUN_FILE).is_file() else [])
+    if not held:
+        return None
+    what = "a failed run's marker" if held == [FAILED_RUN_FILE] else "a finished model"
+    return (
+        f"paths.output_dir={folder} already holds {what} ({', '.join(held)}), which this run would replace: "
+        f"choose another paths.output_dir, add {OVERWRITE_FLAG} to replace it, or resume its last checkpoint "
+        "with +trainer.args.resume_from_checkpoint=true"
     )
 
 
@@ -328,6 +355,7 @@ def peft_problem(cfg, script) -> str | None:
 CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
     (("train", "eval"), model_path_problem),
+    (("train",), finished_folder_problem),
     (("train",), max_steps_problem),
     (("train",), training_arguments_problem),
     (("train",), method_args_problem),

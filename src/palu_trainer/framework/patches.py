@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from palu_trainer.framework.stale_weights import remove_stale_weights
 from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
 
 logger = logging.getLogger(__name__)
@@ -18,7 +17,6 @@ def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = Fals
     """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
 
     Its checkpoints record the run's data (`checks.RunDataCallback`); resuming on other data is refused.
-    Before training, an earlier run's final weights leave the output folder (`stale_weights`).
     """
     from palu_trainer.framework.checks import BadInput, RunDataCallback, resume_data_problem, run_data
 
@@ -33,12 +31,6 @@ def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = Fals
             if warning or error:
                 logger.warning(warning or error)
         trainer.add_callback(RunDataCallback(record))
-        if trainer_args.do_train:
-            removed = remove_stale_weights(trainer_args.output_dir)
-            if removed:
-                logger.warning(
-                    "removed an earlier run's final weights from %s: %s", trainer_args.output_dir, removed
-                )
         if checkpoint is not None:
             logger.info("resuming from %s", checkpoint)
             allow_numpy_rng_state()

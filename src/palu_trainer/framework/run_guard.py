@@ -22,6 +22,7 @@ several processes each step's verdict is agreed by one all-reduce of two flags, 
 """
 
 import json
+import logging
 import math
 import shlex
 import signal
@@ -31,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from palu_trainer.framework.stale_weights import FINAL_WEIGHTS
+from palu_trainer.framework.stale_weights import FINAL_WEIGHTS, remove_stale_weights
+
+logger = logging.getLogger(__name__)
 
 FAILED_RUN_FILE = "palu_run_failed.json"
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
@@ -139,7 +142,8 @@ class RunGuard:
 
     def check_plan(self) -> None:
         """Refuse a run that would train nothing or could not save, before its first step (the message alone,
-        under the framework's train.py too); clear an earlier run's failure mark."""
+        under the framework's train.py too); clear an earlier run's failure mark and final weights, which the
+        config check (`checks.finished_folder_problem`) let through only when asked to overwrite or resume."""
         from palu_trainer.framework.run_plan import (
             disk_space_problem,
             empty_epoch_problem,
@@ -153,6 +157,13 @@ class RunGuard:
                 raise RunStopped(problem, 1, self.program)
         if self.trainer.is_world_process_zero():
             (Path(self.trainer.args.output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
+            removed = remove_stale_weights(self.trainer.args.output_dir)
+            if removed:
+                logger.warning(
+                    "removed an earlier run's final weights from %s: %s",
+                    self.trainer.args.output_dir,
+                    removed,
+                )
 
     # -- divergence ---------------------------------------------------------------------------------------
 

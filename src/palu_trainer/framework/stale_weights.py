@@ -16,7 +16,12 @@ def remove_stale_weights(output_dir: str) -> list[str]:
     The framework writes them only after the last step: left in place, an interrupted run would leave
     the old model beside its new checkpoints, looking finished.
     """
-    stale = sorted({path for pattern in FINAL_WEIGHTS for path in Path(output_dir).glob(pattern)})
-    for path in stale:
-        path.unlink()
-    return [path.name for path in stale]
+    stale = final_weights(output_dir)
+    for name in stale:
+        (Path(output_dir) / name).unlink()
+    return stale
+
+
+def final_weights(folder) -> list[str]:
+    """The names of the final weights a finished run saved in `folder`."""
+    return sorted({path.name for pattern in FINAL_WEIGHTS for path in Path(folder).glob(pattern)})
