@@ -15,6 +15,7 @@ from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mir
 from palu_trainer.framework.patches import averaging_accumulated_losses, guarding, resuming
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
+from palu_trainer.framework.run_lock import take_output_folder
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,11 @@ def run_framework_script(script: str, config_name: str) -> None:
         sys.exit(f"{prog}: {problem}")
     register()
     composed = precheck(prog, script, config_name, src.parent / "configs", argv)
+    if script == "train" and composed is not None:
+        # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
+        problem = take_output_folder(composed.paths.output_dir)
+        if problem:
+            sys.exit(f"{prog}: {problem}")
     sys.argv.append(CALLBACK_OVERRIDE)
     if composed is not None:
         answering_hydras_mode_probe(composed.hydra.mode)

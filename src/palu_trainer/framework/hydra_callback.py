@@ -2,10 +2,11 @@
 `src/train.py`/`src/eval.py` and under palu-train/palu-eval alike.
 
 Hydra calls `on_job_start` with the composed config after it made the output folder and before the script's
-`main`: the callback refuses a bad config there (`checks.CONFIG_CHECKS`, the message alone, exit 1) and wraps
-the running script's `get_model`, `get_data` and `load_trainer` (`patches.patch_framework_script`). It is
-switched on by a config: `hydra.callbacks.palu_trainer` in this plugin's experiment YAMLs and in
-`configs/peft/lora.yaml`; palu-train and palu-eval add it to every run (`CALLBACK_OVERRIDE`).
+`main`: the callback refuses a bad config there (`checks.CONFIG_CHECKS`, the message alone, exit 1), a
+training run takes its output folder for itself (`run_lock`), and it wraps the running script's `get_model`,
+`get_data` and `load_trainer` (`patches.patch_framework_script`). It is switched on by a config:
+`hydra.callbacks.palu_trainer` in this plugin's experiment YAMLs and in `configs/peft/lora.yaml`; palu-train
+and palu-eval add it to every run (`CALLBACK_OVERRIDE`).
 """
 
 import sys
@@ -33,6 +34,7 @@ class FrameworkScript(Callback):
         from palu_trainer.framework.checks import config_problems
         from palu_trainer.framework.patches import patch_framework_script
         from palu_trainer.framework.run_guard import RunStopped
+        from palu_trainer.framework.run_lock import take_output_folder
 
         module = framework_script()
         if module is None:
@@ -41,4 +43,8 @@ class FrameworkScript(Callback):
         problems = config_problems(config, script)
         if problems:
             raise RunStopped("\n".join(problems))
+        if script == "train":
+            taken = take_output_folder(config.paths.output_dir)
+            if taken:
+                raise RunStopped(taken)
         patch_framework_script(module, config)
