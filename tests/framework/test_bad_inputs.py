@@ -521,3 +521,23 @@ def test_palu_eval_on_an_interrupted_run_names_its_checkpoint(tmp_path, tiny_mod
     assert code == 1
     assert "is an interrupted run's folder: it holds checkpoints but no final model" in output
     assert "run/checkpoint-6" in output and "Unrecognized model" not in output
+
+
+def test_a_checkpoint_records_a_stock_methods_options_and_loras_and_a_resume_compares_them(tmp_path):
+    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, resume_options_problem, run_options
+
+    cfg, _ = composed(["experiment=unlearn/tofu/default", "trainer=NPO", f"paths.output_dir={tmp_path}"])
+    OmegaConf.update(cfg, "peft", {"r": 16, "alpha": 32}, force_add=True)
+    options = run_options(cfg)
+    assert options["trainer"] == "NPO" and options["peft.r"] == 16 and "trainer.method_args.beta" in options
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "optimizer.pt"):
+        (checkpoint / name).write_text("{}")
+    (checkpoint / RUN_OPTIONS_FILE).write_text(json.dumps(options))
+    OmegaConf.update(cfg, "trainer.args.resume_from_checkpoint", True, force_add=True)
+    assert resume_options_problem(cfg, "train") is None
+    cfg.peft.r = 8
+    assert "(peft.r: 16 then, 8 now)" in resume_options_problem(cfg, "train")
+    OmegaConf.update(cfg, "allow_resume_under_other_options", True, force_add=True)
+    assert resume_options_problem(cfg, "train") is None

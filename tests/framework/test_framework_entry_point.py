@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.checks import OVERWRITE_FLAG
+from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
 from palu_trainer.framework.run_guard import FAILED_RUN_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
@@ -327,3 +327,32 @@ def test_a_folder_with_a_finished_model_or_a_failed_mark_is_not_overwritten_unle
     )
     assert overwritten.returncode == 0, (overwritten.stdout + overwritten.stderr)[-3000:]
     assert (out / "model.safetensors").stat().st_size > 10_000 and not (out / FAILED_RUN_FILE).exists()
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_a_resume_under_other_method_options_stops_listing_them_unless_told_to_continue(
+    entry_point, tmp_path, tiny_model_dir, tofu_mirror
+):
+    out = tmp_path / "run"
+    first = ["+trainer.args.max_steps=2", "trainer.args.save_strategy=steps", "+trainer.args.save_steps=2"]
+    trained = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, first))
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    recorded = json.loads((out / "checkpoint-2" / RUN_OPTIONS_FILE).read_text())
+    assert recorded["trainer"] == "PALUTrainer" and recorded["trainer.method_args.top_k"] == 0.15625
+
+    resumed = ["+trainer.args.max_steps=4", "+trainer.args.resume_from_checkpoint=true"]
+    other = [*resumed, "trainer.method_args.top_k=0.5", "trainer.method_args.kl_weight=2"]
+    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, other))
+    output = refused.stdout + refused.stderr
+    program = "train.py" if entry_point == "src/train.py" else "palu-train"
+    assert refused.returncode == 1, output[-3000:]
+    assert (
+        f"{program}: resume_from_checkpoint={out}/checkpoint-2 was trained under other options "
+        "(trainer.method_args.kl_weight: 1.0 then, 2 now; trainer.method_args.top_k: 0.15625 then, 0.5 now)"
+    ) in output
+    assert f"+{ALLOW_OTHER_OPTIONS}=true" in output and "PALUTrainer Trainer loaded" not in output
+
+    same = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resumed))
+    assert same.returncode == 0, (same.stdout + same.stderr)[-3000:]
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4  # 2 resumed, 2 more

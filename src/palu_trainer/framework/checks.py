@@ -57,6 +57,8 @@ PASSED_BY_FRAMEWORK = {
 ALLOW_OVERLAP = "allow_forget_retain_overlap"
 ALLOW_OTHER_DATA = "allow_resume_on_other_data"
 RUN_DATA_FILE = "palu_run_data.json"
+ALLOW_OTHER_OPTIONS = "allow_resume_under_other_options"
+RUN_OPTIONS_FILE = "palu_run_options.json"
 # The framework's methods that probe the reference model's hidden states by module (RMU): not with LoRA.
 REFERENCE_MODULE_READERS = ("RMU",)
 
@@ -182,6 +184,58 @@ def finished_folder_problem(cfg, script) -> str | None:
         f"paths.output_dir={folder} already holds {what} ({', '.join(held)}), which this run would replace: "
         f"choose another paths.output_dir, add {OVERWRITE_FLAG} to replace it, or resume its last checkpoint "
         "with +trainer.args.resume_from_checkpoint=true"
+    )
+
+
+def run_options(cfg) -> dict:
+    """What a run's checkpoints are trained under, besides its data: the trainer, its `method_args` and the
+    LoRA settings, flattened to `key: value` (`RunOptionsCallback` records it in each checkpoint)."""
+    options = {"trainer": cfg.trainer.get("handler")}
+    for prefix, node in (("trainer.method_args", cfg.trainer.get("method_args")), ("peft", cfg.get("peft"))):
+        values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        options.update({f"{prefix}.{key}": value for key, value in values.items()})
+    return options
+
+
+class RunOptionsCallback(TrainerCallback):
+    """Writes the run's options (`run_options`) into each checkpoint folder, for resuming to compare."""
+
+    def __init__(self, options: dict):
+        self.options = options
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            (folder / RUN_OPTIONS_FILE).write_text(json.dumps(self.options, indent=1))
+
+
+def resume_options_problem(cfg, script) -> str | None:
+    """A resume under other method options than its checkpoint was trained with: the differences listed."""
+    from palu_trainer.framework.resume import checkpoint_to_resume
+
+    try:
+        checkpoint = checkpoint_to_resume(
+            cfg.trainer.args.get("resume_from_checkpoint"), cfg.paths.output_dir
+        )
+    except (FileNotFoundError, ValueError):
+        return None  # reported by the trainer's own resume (palu-train: before loading)
+    if checkpoint is None or cfg.get(ALLOW_OTHER_OPTIONS, False):
+        return None
+    path = Path(checkpoint) / RUN_OPTIONS_FILE
+    if not path.is_file():
+        return None  # a checkpoint of a run without the plugin's callback: nothing to compare
+    then, now = json.loads(path.read_text()), run_options(cfg)
+    changed = [
+        f"{key}: {then.get(key, '(unset)')!r} then, {now.get(key, '(unset)')!r} now"
+        for key in sorted(set(then) | set(now), key=str)
+        if then.get(key) != now.get(key)
+    ]
+    if not changed:
+        return None
+    return (
+        f"resume_from_checkpoint={checkpoint} was trained under other options ({'; '.join(changed)}): resume "
+        "with the options it was trained with, start a new run in another paths.output_dir, or add "
+        f"+{ALLOW_OTHER_OPTIONS}=true to continue under these on purpose"
     )
 
 
@@ -356,6 +410,7 @@ CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
     (("train", "eval"), model_path_problem),
     (("train",), finished_folder_problem),
+    (("train",), resume_options_problem),
     (("train",), max_steps_problem),
     (("train",), training_arguments_problem),
     (("train",), method_args_problem),

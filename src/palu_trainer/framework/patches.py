@@ -238,7 +238,7 @@ def stopping_on_bad_input(load):
 def patch_framework_script(module, cfg) -> None:
     """Wrap the running framework script's (`module`: train.py or eval.py) loaders for the run `cfg`: models
     checked against their tokenizer, LoRA checkpoints merged, evaluation logits in fp32, LoRA adapters
-    (`+peft=lora`) and the forget/retain overlap check."""
+    (`+peft=lora`), the forget/retain overlap check and the method options recorded in each checkpoint."""
     get_model = upcasting_evaluation_logits(
         checking_vocabulary(merging_adapter_checkpoints(module.get_model))
     )
@@ -249,3 +249,18 @@ def patch_framework_script(module, cfg) -> None:
     module.get_model = stopping_on_bad_input(get_model)
     if training:
         module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
+        module.load_trainer = recording_options(module.load_trainer, cfg)
+
+
+def recording_options(load_trainer, cfg):
+    """The framework's `load_trainer`, whose checkpoints record the run's method options (`run_options`),
+    which a resume compares (`checks.resume_options_problem`)."""
+    from palu_trainer.framework.checks import RunOptionsCallback, run_options
+
+    @functools.wraps(load_trainer)
+    def load(*args, **kwargs):
+        trainer, trainer_args = load_trainer(*args, **kwargs)
+        trainer.add_callback(RunOptionsCallback(run_options(cfg)))
+        return trainer, trainer_args
+
+    return load
