@@ -332,7 +332,7 @@ def test_forget_rows_in_the_retain_set_are_named():
 
 
 def test_resuming_on_other_data_is_refused(tmp_path):
-    from palu_trainer.framework.checks import RunDataCallback, resume_data_problem, run_data
+    from palu_trainer.framework.checks import RUN_DATA_FILE, CheckpointRecord, resume_data_problem, run_data
 
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
@@ -341,7 +341,7 @@ def test_resuming_on_other_data_is_refused(tmp_path):
         SimpleNamespace(output_dir=str(tmp_path)),
         SimpleNamespace(global_step=2, is_world_process_zero=True),
     )
-    RunDataCallback(before).on_save(args, state, None)
+    CheckpointRecord(RUN_DATA_FILE, before).on_save(args, state, None)
     assert resume_data_problem(str(checkpoint), before) == (None, None)
     after = run_data(SimpleNamespace(forget=qa_set(["q1", "q3"]), retain=qa_set(["r1"])))
     error, _ = resume_data_problem(str(checkpoint), after)

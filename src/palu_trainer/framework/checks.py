@@ -6,7 +6,7 @@
   trainer that cannot read the experiment's forget set, `max_length`.
 - On the loaded data, before the trainer is built: forget rows that are also retain rows
   (`forget_retain_overlap`).
-- On resuming: a checkpoint written on other data (`RunDataCallback` records the data of each checkpoint),
+- On resuming: a checkpoint written on other data (`CheckpointRecord` records the data of each checkpoint),
   and a warning for a checkpoint in the middle of an epoch.
 """
 
@@ -189,24 +189,12 @@ def finished_folder_problem(cfg, script) -> str | None:
 
 def run_options(cfg) -> dict:
     """What a run's checkpoints are trained under, besides its data: the trainer, its `method_args` and the
-    LoRA settings, flattened to `key: value` (`RunOptionsCallback` records it in each checkpoint)."""
+    LoRA settings, flattened to `key: value` (`CheckpointRecord` writes it into each checkpoint)."""
     options = {"trainer": cfg.trainer.get("handler")}
     for prefix, node in (("trainer.method_args", cfg.trainer.get("method_args")), ("peft", cfg.get("peft"))):
         values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
         options.update({f"{prefix}.{key}": value for key, value in values.items()})
     return options
-
-
-class RunOptionsCallback(TrainerCallback):
-    """Writes the run's options (`run_options`) into each checkpoint folder, for resuming to compare."""
-
-    def __init__(self, options: dict):
-        self.options = options
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if state.is_world_process_zero and folder.is_dir():
-            (folder / RUN_OPTIONS_FILE).write_text(json.dumps(self.options, indent=1))
 
 
 def resume_options_problem(cfg, script) -> str | None:
@@ -486,7 +474,7 @@ def dataset_fingerprint(dataset) -> str | None:
 
 
 def run_data(train_dataset) -> dict:
-    """The forget and retain data of a run, as `RunDataCallback` records it in each checkpoint."""
+    """The forget and retain data of a run, as `CheckpointRecord` writes it into each checkpoint."""
     record = {}
     for part in ("forget", "retain"):
         dataset = getattr(train_dataset, part, None)
@@ -497,16 +485,17 @@ def run_data(train_dataset) -> dict:
     return record
 
 
-class RunDataCallback(TrainerCallback):
-    """Writes the run's data record (`run_data`) into each checkpoint folder, for resuming to compare."""
+class CheckpointRecord(TrainerCallback):
+    """Writes `record` as `file_name` into each checkpoint folder, for resuming to compare: the run's data
+    (`run_data`, RUN_DATA_FILE) and its options (`run_options`, RUN_OPTIONS_FILE)."""
 
-    def __init__(self, record: dict):
-        self.record = record
+    def __init__(self, file_name: str, record: dict):
+        self.file_name, self.record = file_name, record
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero and folder.is_dir():
-            (folder / RUN_DATA_FILE).write_text(json.dumps(self.record, indent=1))
+            (folder / self.file_name).write_text(json.dumps(self.record, indent=1))
 
 
 def resume_data_problem(checkpoint: str, current: dict) -> tuple[str | None, str | None]:

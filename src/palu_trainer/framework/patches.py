@@ -16,9 +16,15 @@ logger = logging.getLogger(__name__)
 def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = False):
     """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
 
-    Its checkpoints record the run's data (`checks.RunDataCallback`); resuming on other data is refused.
+    Its checkpoints record the run's data (`checks.CheckpointRecord`); resuming on other data is refused.
     """
-    from palu_trainer.framework.checks import BadInput, RunDataCallback, resume_data_problem, run_data
+    from palu_trainer.framework.checks import (
+        RUN_DATA_FILE,
+        BadInput,
+        CheckpointRecord,
+        resume_data_problem,
+        run_data,
+    )
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
@@ -30,7 +36,7 @@ def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = Fals
                 raise BadInput(error)
             if warning or error:
                 logger.warning(warning or error)
-        trainer.add_callback(RunDataCallback(record))
+        trainer.add_callback(CheckpointRecord(RUN_DATA_FILE, record))
         if checkpoint is not None:
             logger.info("resuming from %s", checkpoint)
             allow_numpy_rng_state()
@@ -255,12 +261,12 @@ def patch_framework_script(module, cfg) -> None:
 def recording_options(load_trainer, cfg):
     """The framework's `load_trainer`, whose checkpoints record the run's method options (`run_options`),
     which a resume compares (`checks.resume_options_problem`)."""
-    from palu_trainer.framework.checks import RunOptionsCallback, run_options
+    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord, run_options
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
         trainer, trainer_args = load_trainer(*args, **kwargs)
-        trainer.add_callback(RunOptionsCallback(run_options(cfg)))
+        trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, run_options(cfg)))
         return trainer, trainer_args
 
     return load
