@@ -15,7 +15,7 @@ import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, STAGING_DIR
 
 from .test_bad_inputs import BIN, QUICK_RUN
 from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after_three_steps, steps_logged
@@ -55,6 +55,34 @@ def train_through(entry_point: str, arguments) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "palu-train"), *arguments], env=environment(), capture_output=True, text=True, timeout=600
     )
+
+
+def program(entry_point: str) -> str:
+    """The name a stop's message starts with."""
+    return "train.py" if entry_point == "src/train.py" else "palu-train"
+
+
+def stopped(entry_point: str, arguments) -> str:
+    """The output of a run through `entry_point` that must stop before its end with exit 1."""
+    result = train_through(entry_point, arguments)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    return output
+
+
+def trained(entry_point: str, arguments) -> str:
+    result = train_through(entry_point, arguments)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    return output
+
+
+def saving_every_two_steps(max_steps: int) -> list[str]:
+    return [
+        f"+trainer.args.max_steps={max_steps}",
+        "trainer.args.save_strategy=steps",
+        "+trainer.args.save_steps=2",
+    ]
 
 
 def losses(out_dir) -> list[tuple]:
@@ -276,22 +304,17 @@ def test_lora_target_modules_that_match_nothing_stop_before_training_through_bot
     entry_point, tmp_path, tiny_model_dir, tofu_mirror
 ):
     overrides = ["+peft=lora", "peft.target_modules=[qkv]", "+trainer.args.max_steps=1"]
-    result = train_through(
-        entry_point, framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides)
-    )
-    output = result.stdout + result.stderr
-    program = "train.py" if entry_point == "src/train.py" else "palu-train"
-    assert result.returncode == 1, output[-3000:]
-    assert f"{program}: peft.target_modules=['qkv'] matches no module of llama" in output
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides))
+    assert f"{program(entry_point)}: peft.target_modules=['qkv'] matches no module of llama" in output
     assert "Traceback" not in output and not (tmp_path / "run" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
 def test_a_bad_config_stops_train_py_with_the_plugins_message(tmp_path, tiny_model_dir, tofu_mirror):
     overrides = ["+peft=lora", "peft.r=0"]
-    result = run_framework_train(framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides))
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-3000:]
+    output = stopped(
+        "src/train.py", framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides)
+    )
     assert "train.py: peft.r=0: must be a number >= 1 (the adapters' rank)" in output
     assert "Traceback" not in output and "PALUTrainer Trainer loaded" not in output
 
@@ -306,53 +329,102 @@ def test_a_folder_with_a_finished_model_or_a_failed_mark_is_not_overwritten_unle
     out.mkdir()
     (out / "model.safetensors").write_text("the finished model")
     steps = ["+trainer.args.max_steps=2"]
-    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
-    output = refused.stdout + refused.stderr
-    program = "train.py" if entry_point == "src/train.py" else "palu-train"
-    assert refused.returncode == 1, output[-3000:]
-    assert f"{program}: paths.output_dir={out} already holds a finished model (model.safetensors)" in output
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
+    assert (
+        f"{program(entry_point)}: paths.output_dir={out} already holds a finished model (model.safetensors)"
+        in output
+    )
     assert f"add {OVERWRITE_FLAG} to replace it" in output and "Traceback" not in output
     assert "PALUTrainer Trainer loaded" not in output
     assert (out / "model.safetensors").read_text() == "the finished model"
 
     (out / "model.safetensors").unlink()
     (out / FAILED_RUN_FILE).write_text(json.dumps({"reason": "diverged", "step": 3}))
-    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
-    assert refused.returncode == 1
-    assert f"already holds a failed run's marker ({FAILED_RUN_FILE})" in refused.stdout + refused.stderr
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, steps))
+    assert f"already holds a failed run's marker ({FAILED_RUN_FILE})" in output
 
     (out / "model.safetensors").write_text("the finished model")
-    overwritten = train_through(
-        entry_point, framework_command(tofu_mirror, tiny_model_dir, out, [*steps, OVERWRITE_FLAG])
-    )
-    assert overwritten.returncode == 0, (overwritten.stdout + overwritten.stderr)[-3000:]
+    trained(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, [*steps, OVERWRITE_FLAG]))
     assert (out / "model.safetensors").stat().st_size > 10_000 and not (out / FAILED_RUN_FILE).exists()
 
 
-@pytest.mark.slow(minutes=1.5)
+@pytest.mark.slow(minutes=2)
 @pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
-def test_a_resume_under_other_method_options_stops_listing_them_unless_told_to_continue(
+def test_a_resume_under_other_options_or_from_a_damaged_checkpoint_stops_and_resume_true_skips_it(
     entry_point, tmp_path, tiny_model_dir, tofu_mirror
 ):
     out = tmp_path / "run"
-    first = ["+trainer.args.max_steps=2", "trainer.args.save_strategy=steps", "+trainer.args.save_steps=2"]
-    trained = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, first))
-    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
-    recorded = json.loads((out / "checkpoint-2" / RUN_OPTIONS_FILE).read_text())
+    trained(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, saving_every_two_steps(4)))
+    recorded = json.loads((out / "checkpoint-4" / RUN_OPTIONS_FILE).read_text())
     assert recorded["trainer"] == "PALUTrainer" and recorded["trainer.method_args.top_k"] == 0.15625
 
-    resumed = ["+trainer.args.max_steps=4", "+trainer.args.resume_from_checkpoint=true"]
+    resumed = ["+trainer.args.max_steps=6", "+trainer.args.resume_from_checkpoint=true"]
     other = [*resumed, "trainer.method_args.top_k=0.5", "trainer.method_args.kl_weight=2"]
-    refused = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, other))
-    output = refused.stdout + refused.stderr
-    program = "train.py" if entry_point == "src/train.py" else "palu-train"
-    assert refused.returncode == 1, output[-3000:]
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, other))
     assert (
-        f"{program}: resume_from_checkpoint={out}/checkpoint-2 was trained under other options "
+        f"{program(entry_point)}: resume_from_checkpoint={out}/checkpoint-4 was trained under other options "
         "(trainer.method_args.kl_weight: 1.0 then, 2 now; trainer.method_args.top_k: 0.15625 then, 0.5 now)"
     ) in output
     assert f"+{ALLOW_OTHER_OPTIONS}=true" in output and "PALUTrainer Trainer loaded" not in output
 
-    same = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resumed))
-    assert same.returncode == 0, (same.stdout + same.stderr)[-3000:]
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4  # 2 resumed, 2 more
+    weights = out / "checkpoint-4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a save killed while writing it
+    named = [f"+trainer.args.resume_from_checkpoint={out / 'checkpoint-4'}", "+trainer.args.max_steps=6"]
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, named))
+    assert (
+        f"{program(entry_point)}: resume_from_checkpoint={out}/checkpoint-4: model.safetensors is damaged ("
+        in output
+    )
+    assert f"the newest complete checkpoint is {out}/checkpoint-2" in output and "Traceback" not in output
+
+    output = trained(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resumed))
+    assert "resume_from_checkpoint=true: skipped checkpoint-4: model.safetensors is damaged (" in output
+    assert f"resuming from {out}/checkpoint-2" in output
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6  # 2 resumed, 4 more
+
+
+KILL_DURING_THE_SECOND_SAVE = """
+import os, signal
+import transformers
+
+saving_rng_state = transformers.Trainer._save_rng_state
+
+
+def killed_at_step_4(self, output_dir):  # after the weights and optimizer state, before trainer_state.json
+    if self.state.global_step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return saving_rng_state(self, output_dir)
+
+
+transformers.Trainer._save_rng_state = killed_at_step_4
+"""
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.stack
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_a_kill_during_a_checkpoint_save_leaves_no_half_checkpoint_and_resume_true_takes_the_last_whole(
+    entry_point, tmp_path, tiny_model_dir, tofu_mirror, monkeypatch
+):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_DURING_THE_SECOND_SAVE)
+    out = tmp_path / "run"
+    saving = saving_every_two_steps(6)
+    with monkeypatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(hook), prepend=os.pathsep)
+        killed = train_through(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, saving))
+    assert killed.returncode == -signal.SIGKILL, (killed.stdout + killed.stderr)[-3000:]
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    staged = out / STAGING_DIR / "checkpoint-4"
+    assert (staged / "optimizer.pt").is_file() and not (staged / "trainer_state.json").exists()
+
+    resume = [*saving, "+trainer.args.resume_from_checkpoint=true"]
+    trained(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resume))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert not (out / STAGING_DIR).exists()

@@ -1,8 +1,11 @@
 """Resuming: an interrupted run continues to the weights of an uninterrupted one, through train.py's call."""
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from palu_trainer.framework.checkout import ensure_importable
@@ -144,11 +147,45 @@ def test_checkpoints_that_cannot_resume_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a Trainer checkpoint"):
         checkpoint_to_resume(str(model_only), str(tmp_path))
     (model_only / "trainer_state.json").write_text("{}")
-    (model_only / "model.safetensors").write_text("")
+    save_file({"w": torch.zeros(2)}, model_only / "model.safetensors")
     with pytest.raises(ValueError, match=r"holds no optimizer state .*trainer\.args\.save_only_model=false"):
-        checkpoint_to_resume("true", str(tmp_path))
-    (model_only / "optimizer.pt").write_text("")
+        checkpoint_to_resume(str(model_only), str(tmp_path))
+    torch.save({"state": {}}, model_only / "optimizer.pt")
     assert checkpoint_to_resume("true", str(tmp_path)) == str(model_only)
+
+
+def test_resume_true_skips_a_half_written_or_damaged_checkpoint_and_says_so(tmp_path):
+    def checkpoint(step):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        save_file({"w": torch.zeros(64)}, folder / "model.safetensors")
+        torch.save({"state": {}}, folder / "optimizer.pt")
+        return folder
+
+    complete, damaged, half = checkpoint(2), checkpoint(4), checkpoint(6)
+    (half / "trainer_state.json").unlink()
+    weights = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    reports = []
+    assert checkpoint_to_resume("true", str(tmp_path), reports.append) == str(complete)
+    assert reports[0].startswith(
+        "resume_from_checkpoint=true: skipped checkpoint-6: not a Trainer checkpoint"
+    )
+    assert reports[1].startswith(
+        "resume_from_checkpoint=true: skipped checkpoint-4: model.safetensors is damaged"
+    )
+    assert reports[1].endswith(f"resuming from {complete}")
+    with pytest.raises(FileNotFoundError) as named:
+        checkpoint_to_resume(str(damaged), str(tmp_path))
+    assert str(named.value).startswith(f"resume_from_checkpoint={damaged}: model.safetensors is damaged (")
+    assert str(named.value).endswith(f"the newest complete checkpoint is {complete}")
+    torch.save({"state": {}}, complete / "optimizer.pt")
+    (complete / "optimizer.pt").write_bytes((complete / "optimizer.pt").read_bytes()[:-30])
+    with pytest.raises(
+        FileNotFoundError, match="no complete checkpoint in .*checkpoint-2: optimizer.pt is damaged"
+    ):
+        checkpoint_to_resume("true", str(tmp_path))
 
 
 def test_an_earlier_runs_final_weights_are_removed_before_training(tmp_path):

@@ -149,7 +149,9 @@ def run_framework_script(script: str, config_name: str) -> None:
                 sys.exit(f"{prog}: {problem}")
             args = cfg.trainer.args
             try:
-                checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir)
+                checkpoint = checkpoint_to_resume(
+                    args.get("resume_from_checkpoint"), args.output_dir, logger.warning
+                )
             except (FileNotFoundError, ValueError) as error:
                 sys.exit(f"{prog}: {error}")
             problem = resumed_model_problem(

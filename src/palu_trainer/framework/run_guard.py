@@ -37,6 +37,7 @@ from palu_trainer.framework.stale_weights import FINAL_WEIGHTS, remove_stale_wei
 logger = logging.getLogger(__name__)
 
 FAILED_RUN_FILE = "palu_run_failed.json"
+STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
@@ -305,24 +306,51 @@ class RunGuard:
         return save
 
     def _removing_failed_checkpoints(self, save_checkpoint):
+        """`_save_checkpoint` writing whole checkpoints or none: each is written into `STAGING_DIR` and
+        renamed into the output folder once every rank has written its part, so a kill during a save leaves
+        no half `checkpoint-N` for `resume_from_checkpoint=true` to pick; a failed save is removed."""
+        import shutil
+
+        trainer = self.trainer
+
         def save(*args, **kwargs):
+            output_dir = Path(trainer.args.output_dir)
+            staging = output_dir / STAGING_DIR
+            folder = output_dir / f"checkpoint-{trainer.state.global_step}"
+            get_output_dir = trainer._get_output_dir
+            trainer._get_output_dir = lambda *_, **__: str(staging)
             try:
-                return save_checkpoint(*args, **kwargs)
+                if trainer.is_world_process_zero():
+                    shutil.rmtree(staging, ignore_errors=True)  # what an earlier killed save left
+                trainer.accelerator.wait_for_everyone()
+                saved = save_checkpoint(*args, **kwargs)
+                trainer.accelerator.wait_for_everyone()
+                if trainer.is_world_process_zero():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    (staging / folder.name).rename(folder)
+                    staging.rmdir()
+                trainer.accelerator.wait_for_everyone()
             except RunStopped:
                 raise
             except Exception as error:  # noqa: BLE001
-                step = self.trainer.state.global_step
-                folder = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
-                if self.trainer.is_world_process_zero() and folder.is_dir():
-                    import shutil
-
-                    shutil.rmtree(folder)
+                step = trainer.state.global_step
+                if trainer.is_world_process_zero():
+                    shutil.rmtree(staging, ignore_errors=True)
                 self._stop(
                     "checkpoint save failed",
                     f"writing {folder} failed at step {step}: {error}. The partial checkpoint was removed",
                     "Free space (or save fewer checkpoints: trainer.args.save_total_limit) and resume from "
                     "an earlier checkpoint, or run again.",
                 )
+            finally:
+                trainer._get_output_dir = get_output_dir
+            if trainer.state.best_model_checkpoint:
+                trainer.state.best_model_checkpoint = trainer.state.best_model_checkpoint.replace(
+                    str(staging / folder.name), str(folder)
+                )
+            if trainer.args.should_save:
+                trainer._rotate_checkpoints(use_mtime=False, output_dir=str(output_dir))
+            return saved
 
         return save
 

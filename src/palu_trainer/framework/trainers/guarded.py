@@ -3,14 +3,18 @@ micro-batch, non-reentrant activation checkpointing, the run guard, and resuming
 `trainer.args.resume_from_checkpoint`, so that all of it holds under the framework's own `src/train.py` as
 under palu-train."""
 
+import logging
+
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.resume import checkpoint_to_resume
-from palu_trainer.framework.run_guard import protect_run
+from palu_trainer.framework.run_guard import RunStopped, protect_run
 from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
 from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
 
 ensure_importable()
 from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 class GuardedGradDiff(GradDiff):
@@ -26,9 +30,12 @@ class GuardedGradDiff(GradDiff):
         """`resume_from_checkpoint` defaults to `trainer.args.resume_from_checkpoint` (a folder, or true for
         the last checkpoint): the framework's train.py calls `train()` without it."""
         if resume_from_checkpoint is None:
-            resume_from_checkpoint = checkpoint_to_resume(
-                self.args.resume_from_checkpoint, self.args.output_dir
-            )
+            try:
+                resume_from_checkpoint = checkpoint_to_resume(
+                    self.args.resume_from_checkpoint, self.args.output_dir, logger.warning
+                )
+            except (FileNotFoundError, ValueError) as error:
+                raise RunStopped(str(error)) from None
         if resume_from_checkpoint:
             allow_numpy_rng_state()
             self.before_resuming()
