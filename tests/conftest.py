@@ -219,6 +219,13 @@ def make_tofu_mirror(mirror: Path, tofu_dir: Path, replaced: dict[str, list[dict
     return mirror
 
 
+@pytest.fixture(scope="module")
+def tofu_mirror(tmp_path_factory, tofu_dir):
+    """A TOFU_DIR of the shared TOFU with a holdout01 (which TOFU lacks) of 40 retain rows."""
+    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
+    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})
+
+
 EVAL_ROWS = 4
 
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.stack import tokenizer_keyword
 
-from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl
+from ..conftest import TAG_TEMPLATE
 from .test_datasets import QA_ROWS, QA_SPANS, span_dataset
 
 ensure_importable()
@@ -63,9 +63,3 @@ def make_trainer(tmp_path, tiny_model_dir):
         )
 
     return build
-
-
-@pytest.fixture(scope="module")
-def tofu_mirror(tmp_path_factory, tofu_dir):
-    placeholder_holdout = read_jsonl(tofu_dir / "retain99.json")[:40]
-    return make_tofu_mirror(tmp_path_factory.mktemp("tofu"), tofu_dir, {"holdout01": placeholder_holdout})

@@ -502,6 +502,11 @@ def write_comparison(
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["kit"]:  # palu-recipe kit DIR: the framework-format contribution folders
+        from palu_trainer.experiments.kit import main as kit
+
+        return kit(argv[1:])
     parser = argparse.ArgumentParser(prog="palu-recipe", description=__doc__.splitlines()[0])
     parser.add_argument("--bench", choices=list(BENCHMARKS), default="tofu")
     parser.add_argument("--forget", choices=sorted(TOFU.splits), default="05", help="TOFU's forget split")

@@ -1,0 +1,118 @@
+"""`palu-recipe kit DIR`: PALU's and TPO's contribution folders in open-unlearning's format
+(`community/methods/<NAME>/README.md` and `run.sh`, as its contributing guide asks) written into a framework
+checkout DIR. The README's results are the measured real-model table of this project's README, with its model,
+commits and dates; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`, with the plugin
+installed."""
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from palu_trainer.framework.checkout import PROJECT_ROOT, RESOURCES_DIR
+
+RESULTS_HEADING = "### Unlearning on a real pretrained model at the paper's budget"
+
+
+@dataclass(frozen=True)
+class Contribution:
+    name: str
+    title: str
+    authors: str
+    links: tuple[str, ...]
+    summary: str
+    experiment: str
+    knob: str  # the method_args key the grid sweeps
+    knob_grid: tuple[str, ...]
+    learning_rates: tuple[str, ...]
+    best: tuple[str, str]  # (learning rate, knob value): the trainer config's and the framework's defaults
+    setup: str
+
+
+def contributions() -> list[Contribution]:
+    entries = yaml.safe_load((RESOURCES_DIR / "kit" / "contributions.yaml").read_text())
+    return [
+        Contribution(
+            **{key: tuple(value) if isinstance(value, list) else value for key, value in entry.items()}
+        )
+        for entry in entries
+    ]
+
+
+def measured_results(readme: Path) -> str:
+    """The real-model section of this project's README, from its heading to the end of its table."""
+    if not readme.is_file():
+        raise FileNotFoundError(
+            f"{readme} not found: run `palu-recipe kit` from a palu-trainer checkout, whose README holds the "
+            "measured table it copies"
+        )
+    text = readme.read_text()
+    start = text.index(RESULTS_HEADING)
+    table = re.search(r"(\n\|.*)+\n", text[start:])
+    section = text[start : start + table.end()].replace("### ", "### Measured: ", 1)
+
+    # links into this project's docs name the file instead: they do not resolve in the framework's repository
+    def named(link: re.Match) -> str:
+        text, target = link.groups()
+        return f"palu-trainer's {target}" if target.startswith(text) else f"{text} (palu-trainer's {target})"
+
+    return re.sub(r"\[([^\]]+)\]\((docs/[^)]+)\)", named, section).strip() + "\n"
+
+
+def readme_text(contribution: Contribution, results: str) -> str:
+    links = "\n".join(f"- {link}" for link in contribution.links)
+    return (
+        (RESOURCES_DIR / "kit" / "README.md")
+        .read_text()
+        .format(contribution=contribution, links=links, results=results, bibtex=bibtex(contribution))
+    )
+
+
+def bibtex(contribution: Contribution) -> str:
+    return (RESOURCES_DIR / "kit" / f"{contribution.name}.bib").read_text().strip()
+
+
+def write_kit(checkout: Path, readme: Path = PROJECT_ROOT / "README.md") -> list[Path]:
+    """Write `community/methods/{PALU,TPO}/` into the framework checkout `checkout`; returns the files."""
+    if not (checkout / "src" / "train.py").is_file():
+        raise FileNotFoundError(f"{checkout} is not an open-unlearning checkout (no src/train.py)")
+    results = measured_results(readme)
+    written = []
+    for contribution in contributions():
+        folder = checkout / "community" / "methods" / contribution.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "README.md").write_text(readme_text(contribution, results))
+        script = folder / "run.sh"
+        script.write_text(
+            (RESOURCES_DIR / "kit" / "run.sh")
+            .read_text()
+            .format(
+                name=contribution.name,
+                handler=contribution.name,
+                experiment=contribution.experiment,
+                knob=contribution.knob,
+                knob_grid=" ".join(contribution.knob_grid),
+                learning_rates=" ".join(contribution.learning_rates),
+                best_lr=contribution.best[0],
+                best_knob=contribution.best[1],
+            )
+        )
+        script.chmod(0o755)
+        written += [folder / "README.md", script]
+    return written
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="palu-recipe kit", description="write community/methods/PALU and TPO into a framework checkout"
+    )
+    parser.add_argument("checkout", type=Path, help="an open-unlearning checkout")
+    args = parser.parse_args(argv)
+    try:
+        written = write_kit(args.checkout)
+    except FileNotFoundError as error:
+        parser.exit(1, f"palu-recipe kit: {error}\n")
+    for path in written:
+        print(path)

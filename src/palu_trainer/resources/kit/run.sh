@@ -1,0 +1,80 @@
+#!/bin/bash
+# {name} in open-unlearning, as a pip-installable plugin: palu-trainer installed in this framework's environment
+# (`pip install .` in its checkout) registers trainer={handler} and its configs; nothing here is edited. Every
+# array below can be set from the environment (a space-separated list) to run a smaller grid or another model.
+set -euo pipefail
+
+export MASTER_PORT=$(python -c "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1]); s.close()")
+echo "Master Port: $MASTER_PORT"
+
+models=(${{MODELS:-Llama-2-7b-chat-hf}})
+forget_retain_splits=("${{SPLITS:-forget05 retain95}}")
+per_device_train_batch_size=${{PER_DEVICE_TRAIN_BATCH_SIZE:-4}}
+gradient_accumulation_steps=${{GRADIENT_ACCUMULATION_STEPS:-8}}
+train_args=(${{TRAIN_ARGS:-}})  # e.g. +runtime=cpu on a machine without CUDA
+eval_args=(${{EVAL_ARGS:-}})
+
+unlearn_and_evaluate() {{  # model forget_split retain_split lr {knob}
+    local model=$1 forget_split=$2 retain_split=$3 lr=$4 {knob}=$5
+    local task_name=tofu_${{model}}_${{forget_split}}_{name}_lr${{lr}}_{knob}${{{knob}}}
+    local model_path=${{MODEL_PATH:-open-unlearning/tofu_${{model}}_full}}
+    echo "${{task_name}}: unlearning ${{model_path}} with {name}"
+    python src/train.py --config-name=unlearn.yaml \
+        experiment={experiment} \
+        task_name=${{task_name}} \
+        model=${{model}} \
+        forget_split=${{forget_split}} \
+        retain_split=${{retain_split}} \
+        model.model_args.pretrained_model_name_or_path=${{model_path}} \
+        model.tokenizer_args.pretrained_model_name_or_path=${{model_path}} \
+        retain_logs_path=saves/eval/tofu_${{model}}_${{retain_split}}/TOFU_EVAL.json \
+        trainer.args.per_device_train_batch_size=${{per_device_train_batch_size}} \
+        trainer.args.gradient_accumulation_steps=${{gradient_accumulation_steps}} \
+        trainer.args.learning_rate=${{lr}} \
+        trainer.method_args.{knob}=${{{knob}}} \
+        "${{train_args[@]}}"
+    python src/eval.py \
+        experiment=eval/tofu/default.yaml \
+        forget_split=${{forget_split}} \
+        model=${{model}} \
+        task_name=${{task_name}} \
+        model.model_args.pretrained_model_name_or_path=saves/unlearn/${{task_name}} \
+        model.tokenizer_args.pretrained_model_name_or_path=saves/unlearn/${{task_name}} \
+        paths.output_dir=saves/unlearn/${{task_name}}/evals \
+        retain_logs_path=saves/eval/tofu_${{model}}_${{retain_split}}/TOFU_EVAL.json \
+        "${{eval_args[@]}}"
+}}
+
+########################################################################################################################
+############################################ Hyper parameter tuning ####################################################
+########################################################################################################################
+# The paper's grid: learning rate x {knob}
+
+lrs=(${{LRS:-{learning_rates}}})
+{knob}s=(${{KNOBS:-{knob_grid}}})
+
+if [ "${{STAGE:-tune}}" = tune ]; then
+    for split in "${{forget_retain_splits[@]}}"; do
+        for model in "${{models[@]}}"; do
+            for lr in "${{lrs[@]}}"; do
+                for {knob} in "${{{knob}s[@]}}"; do
+                    unlearn_and_evaluate "$model" $split "$lr" "${knob}"
+                done
+            done
+        done
+    done
+fi
+
+########################################################################################################################
+############################################ Final best parameters #####################################################
+########################################################################################################################
+# The defaults of configs/trainer/{name}.yaml and the framework's TOFU recipe: learning rate {best_lr},
+# {knob} {best_knob}, on every TOFU split
+
+if [ "${{STAGE:-tune}}" = best ]; then
+    for split in "forget01 retain99" "forget05 retain95" "forget10 retain90"; do
+        for model in "${{models[@]}}"; do
+            unlearn_and_evaluate "$model" $split {best_lr} {best_knob}
+        done
+    done
+fi
