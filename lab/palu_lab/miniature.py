@@ -278,6 +278,54 @@ def run_framework(entry: str, overrides: list[str], log_path: Path, env: dict) -
     return seconds
 
 
+RESUME_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
+
+
+def resumable_checkpoint(out_dir: Path) -> Path | None:
+    """The newest checkpoint of an unfinished run that holds what resuming needs."""
+    checkpoints = sorted(
+        (path for path in out_dir.glob("checkpoint-*") if path.name.split("-")[-1].isdigit()),
+        key=lambda path: int(path.name.split("-")[-1]),
+    )
+    newest = checkpoints[-1] if checkpoints else None
+    whole = newest is not None and (newest / "trainer_state.json").is_file()
+    return newest if whole and all((newest / name).is_file() for name in RESUME_STATE[:2]) else None
+
+
+def prune_optimizer_state(out_dir: Path, keep_newest: bool) -> None:
+    checkpoints = sorted(
+        (path for path in out_dir.glob("checkpoint-*") if path.name.split("-")[-1].isdigit()),
+        key=lambda path: int(path.name.split("-")[-1]),
+    )
+    complete = [path for path in checkpoints if (path / "trainer_state.json").is_file()]
+    for checkpoint in complete[:-1] if keep_newest else complete:
+        for name in RESUME_STATE:
+            (checkpoint / name).unlink(missing_ok=True)
+
+
+class pruning_optimizer_state:
+    """While a run trains, its older checkpoints lose their optimizer state (1 GB each for SmolLM2): only the
+    newest is needed to resume; when it ends, all do."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir, self.stop = out_dir, threading.Event()
+
+    def __enter__(self):
+        def prune():
+            while not self.stop.wait(30):
+                prune_optimizer_state(self.out_dir, keep_newest=True)
+
+        self.thread = threading.Thread(target=prune, daemon=True)
+        self.thread.start()
+
+    def __exit__(self, kind, value, traceback):
+        self.stop.set()
+        self.thread.join()
+        if kind is None:
+            prune_optimizer_state(self.out_dir, keep_newest=False)
+        return False
+
+
 def model_paths(model_dir: Path) -> list[str]:
     return [
         f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
@@ -319,8 +367,11 @@ class Stages:
             "HF_DATASETS_CACHE": str(run_dir / "datasets-cache"),
         }
 
-    def run_cached_stage(self, stage: str, kind: str, key_parts: list[str], produce) -> tuple[Path, float]:
+    def run_cached_stage(
+        self, stage: str, kind: str, key_parts: list[str], produce, resumable: bool = False
+    ) -> tuple[Path, float]:
         """Run `produce(out_dir) -> seconds` once per key; later calls with that key reuse its output.
+        A `resumable` stage's unfinished folder is kept for `produce` to continue.
 
         Returns the output directory and the seconds it took to make (when it was made).
         """
@@ -332,7 +383,8 @@ class Stages:
             seconds = json.loads(done.read_text())["wall_time_s"]
             self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)", seconds)
             return out_dir, seconds
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if not resumable:
+            shutil.rmtree(out_dir, ignore_errors=True)
         seconds = produce(out_dir)
         done.write_text(json.dumps({"wall_time_s": seconds, "key": key_parts}))
         self.progress.stage(stage, seconds)
@@ -514,9 +566,20 @@ class Stages:
 
         def produce(out_dir: Path) -> float:
             overrides = self.unlearn_overrides(method, learning_rate, original_dir, out_dir, extra, spans)
-            return run_framework("train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env)
+            # checkpoints that resume (not part of the key): a run stopped with its session continues from
+            # its last epoch's checkpoint; only the newest keeps its optimizer state
+            overrides.append("trainer.args.save_only_model=false")
+            if resumable_checkpoint(out_dir):
+                overrides.append("+trainer.args.resume_from_checkpoint=true")
+                self.progress.say(f"unlearn {name}: resuming from {resumable_checkpoint(out_dir)}")
+            else:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            with pruning_optimizer_state(out_dir):
+                return run_framework(
+                    "train", overrides, self.run_dir / "logs" / f"unlearn_{name}.log", self.env
+                )
 
-        return self.run_cached_stage(f"unlearn {name}", "unlearn", key, produce)
+        return self.run_cached_stage(f"unlearn {name}", "unlearn", key, produce, resumable=True)
 
 
 class MuseStages(Stages):
