@@ -4,6 +4,8 @@ resume this run."""
 import json
 from pathlib import Path
 
+NO_OPTIMIZER_STATE = "holds no optimizer state"
+
 
 def checkpoint_to_resume(resume_from_checkpoint, output_dir: str, report=None) -> str | None:
     """The checkpoint folder `trainer.args.resume_from_checkpoint` names, checked whole
@@ -46,8 +48,9 @@ def checkpoint_to_resume(resume_from_checkpoint, output_dir: str, report=None) -
         None,
     )
     hint = f"; the newest complete checkpoint is {newest}" if newest else ""
-    error = ValueError if "optimizer state" in problem else FileNotFoundError
-    raise error(f"resume_from_checkpoint={checkpoint}: {problem}{hint}")
+    if problem.startswith(NO_OPTIMIZER_STATE):
+        raise ValueError(f"resume_from_checkpoint={checkpoint} {problem}{hint}")
+    raise FileNotFoundError(f"resume_from_checkpoint={checkpoint}: {problem}{hint}")
 
 
 def checkpoints_newest_first(folder) -> list[Path]:
@@ -69,7 +72,7 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         return "not a Trainer checkpoint (no trainer_state.json; a save killed midway leaves one like this)"
     if not ((checkpoint / "optimizer.pt").is_file() or any(checkpoint.glob("global_step*"))):
         return (
-            "holds no optimizer state (saved with save_only_model=true, the framework's default): it cannot "
+            f"{NO_OPTIMIZER_STATE} (saved with save_only_model=true, the framework's default): it cannot "
             "resume. Save checkpoints with trainer.args.save_only_model=false (PALU's config does)"
         )
     for path in sorted(checkpoint.rglob("*")):
