@@ -532,8 +532,8 @@ def test_a_checkpoint_records_a_stock_methods_options_and_loras_and_a_resume_com
     assert options["trainer"] == "NPO" and options["peft.r"] == 16 and "trainer.method_args.beta" in options
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()
-    for name in ("trainer_state.json", "optimizer.pt"):
-        (checkpoint / name).write_text("{}")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    torch.save({"state": {}}, checkpoint / "optimizer.pt")
     (checkpoint / RUN_OPTIONS_FILE).write_text(json.dumps(options))
     OmegaConf.update(cfg, "trainer.args.resume_from_checkpoint", True, force_add=True)
     assert resume_options_problem(cfg, "train") is None

@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.hydra_callback import CALLBACK_OVERRIDE
 from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-from palu_trainer.framework.patches import averaging_accumulated_losses, guarding, resuming
+from palu_trainer.framework.patches import (
+    averaging_accumulated_losses,
+    guarding,
+    patch_framework_script,
+    resuming,
+)
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
 from palu_trainer.framework.run_lock import take_output_folder
@@ -115,7 +119,6 @@ def run_framework_script(script: str, config_name: str) -> None:
         problem = take_output_folder(composed.paths.output_dir)
         if problem:
             sys.exit(f"{prog}: {problem}")
-    sys.argv.append(CALLBACK_OVERRIDE)
     if composed is not None:
         answering_hydras_mode_probe(composed.hydra.mode)
     from palu_trainer.framework.checks import (
@@ -140,6 +143,7 @@ def run_framework_script(script: str, config_name: str) -> None:
                 logger.info("local dataset mirror: %s", line)
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
+        patch_framework_script(module, cfg)  # what the Hydra callback does under src/train.py
         if load_trainer is not None:
             from trainer import TRAINER_REGISTRY
 

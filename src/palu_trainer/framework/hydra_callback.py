@@ -6,17 +6,13 @@ Hydra calls `on_job_start` with the composed config after it made the output fol
 training run takes its output folder for itself (`run_lock`), and it wraps the running script's `get_model`,
 `get_data` and `load_trainer` (`patches.patch_framework_script`). It is switched on by a config:
 `hydra.callbacks.palu_trainer` in this plugin's experiment YAMLs and in `configs/peft/lora.yaml`; palu-train
-and palu-eval add it to every run (`CALLBACK_OVERRIDE`).
+and palu-eval run the same checks before Hydra starts and call the same patch in every run.
 """
 
 import sys
 from types import ModuleType
 
 from hydra.experimental.callback import Callback
-
-CALLBACK_OVERRIDE = (
-    "++hydra.callbacks.palu_trainer._target_=palu_trainer.framework.hydra_callback.FrameworkScript"
-)
 
 
 def framework_script() -> ModuleType | None:

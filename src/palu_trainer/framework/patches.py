@@ -12,6 +12,8 @@ from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
 
 logger = logging.getLogger(__name__)
 
+PATCHED = "palu_trainer_patched"  # set on a framework script's module once its loaders are wrapped
+
 
 def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = False):
     """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
@@ -245,6 +247,9 @@ def patch_framework_script(module, cfg) -> None:
     """Wrap the running framework script's (`module`: train.py or eval.py) loaders for the run `cfg`: models
     checked against their tokenizer, LoRA checkpoints merged, evaluation logits in fp32, LoRA adapters
     (`+peft=lora`), the forget/retain overlap check and the method options recorded in each checkpoint."""
+    if getattr(module, PATCHED, False):
+        return  # palu-train patches every run; a config's Hydra callback asks again
+    setattr(module, PATCHED, True)
     get_model = upcasting_evaluation_logits(
         checking_vocabulary(merging_adapter_checkpoints(module.get_model))
     )
