@@ -166,7 +166,7 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
-            # module.load_trainer: the framework's, as patch_framework_script wrapped it (LoRA, the options record)
+            # module.load_trainer as patch_framework_script wrapped it (LoRA, the options record)
             module.load_trainer = guarding(
                 averaging_accumulated_losses(
                     resuming(module.load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
