@@ -1,15 +1,17 @@
 SHELL := /bin/bash
 
-# Two tested framework states (docs/setup.md): STACK=4.45 is open-unlearning d3d7cf9 with transformers
-# 4.45.1 (the default: .venv); STACK=4.51 is its PR #175 (4b43848), transformers 4.51.3 (.venv-4.51).
+# Three tested framework states (docs/setup.md): STACK=4.45 is open-unlearning d3d7cf9 with transformers
+# 4.45.1 (the default: .venv); STACK=4.51 is upstream main after its PR #175 (4ad738a), transformers 4.51.3
+# (.venv-4.51); STACK=5 is the head of its open PR #191 (c3301d8), transformers 5.5.4 (.venv-5).
 # Each stack has its own framework checkout and venv; the framework's requirements.txt sets transformers.
 DEFAULT_STACK := 4.45
 STACK ?= $(DEFAULT_STACK)
 STACK_COMMIT_4.45 := d3d7cf9e6b3c125d16687d4232680d8d83548f1a
-STACK_COMMIT_4.51 := 4b438483c9048a760c6ae5aca1ce9acd144dad7e
-STACK_REF_4.51 := refs/pull/175/head
+STACK_COMMIT_4.51 := 4ad738aaf60f6a4385f6e2506d01da99e76c31f3
+STACK_COMMIT_5 := c3301d85484e706da7481dd0cb23022d6693c9c1
 ifeq ($(STACK_COMMIT_$(STACK)),)
-$(error STACK=$(STACK): choose 4.45 (open-unlearning d3d7cf9) or 4.51 (open-unlearning 4b43848, its PR 175))
+$(error STACK=$(STACK): choose 4.45 (open-unlearning d3d7cf9) 4.51 (open-unlearning 4ad738a, upstream main after its PR 175)\
+	or 5 (c3301d8, its PR 191))
 endif
 PYTHON ?= python3
 VENV ?= .venv$(if $(filter-out $(DEFAULT_STACK),$(STACK)),-$(STACK))
@@ -18,12 +20,13 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 OPEN_UNLEARNING_URL ?= https://github.com/locuslab/open-unlearning
 OPEN_UNLEARNING_COMMIT := $(STACK_COMMIT_$(STACK))
-OPEN_UNLEARNING_REF := $(STACK_REF_$(STACK))
-OPEN_UNLEARNING_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/palu-trainer/open-unlearning-$(STACK)
+# make setup keeps the checkouts it cloned under OPEN_UNLEARNING_CACHE at their stack's commit
+OPEN_UNLEARNING_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/palu-trainer
+OPEN_UNLEARNING_DIR ?= $(OPEN_UNLEARNING_CACHE)/open-unlearning-$(STACK)
 SHARED ?= $(abspath ../shared)
 
-export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT OPEN_UNLEARNING_REF \
-	OPEN_UNLEARNING_DIR
+export PY TORCH_VERSION TORCH_INDEX OPEN_UNLEARNING_URL OPEN_UNLEARNING_COMMIT \
+	OPEN_UNLEARNING_DIR OPEN_UNLEARNING_CACHE
 # DeepSpeed's CPU backend loads its shared-memory op (deepspeed_shm_comm) at every ZeRO-3 launch, compiling it
 # into torch's extensions folder behind a lock file the first time. One folder per venv: two venvs sharing
 # one rebuilt each other's, and a build killed halfway leaves a lock that every later launch waits on.

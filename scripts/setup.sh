@@ -2,7 +2,7 @@
 # Installs palu-trainer and open-unlearning into one Python environment, and converts SmolLM2-135M-Instruct
 # (scripts/smollm2.sh); safe to run again.
 # Inputs (from the Makefile): PY, TORCH_VERSION, TORCH_INDEX, OPEN_UNLEARNING_URL,
-# OPEN_UNLEARNING_COMMIT, OPEN_UNLEARNING_DIR.
+# OPEN_UNLEARNING_COMMIT, OPEN_UNLEARNING_DIR, OPEN_UNLEARNING_CACHE.
 set -euo pipefail
 
 say() { printf '== setup: %s\n' "$*"; }
@@ -17,25 +17,39 @@ else
 fi
 
 # 2. open-unlearning at the stack's commit, in a cache dir outside this repo (or an existing checkout). A
-#    commit only on a pull request's head (OPEN_UNLEARNING_REF) is fetched by that ref.
+#    commit that only a pull request holds is fetched from the remote's pull-request heads.
+has_commit() { git -C "$OPEN_UNLEARNING_DIR" cat-file -e "$OPEN_UNLEARNING_COMMIT^{commit}" 2>/dev/null; }
+fetch_commit() {
+  has_commit || git -C "$OPEN_UNLEARNING_DIR" fetch -q origin || true
+  has_commit || git -C "$OPEN_UNLEARNING_DIR" fetch -q origin '+refs/pull/*/head:refs/remotes/origin/pull/*' || true
+  has_commit
+}
 if [ ! -e "$OPEN_UNLEARNING_DIR" ]; then
   say "cloning $OPEN_UNLEARNING_URL into $OPEN_UNLEARNING_DIR"
   mkdir -p "$(dirname "$OPEN_UNLEARNING_DIR")"
   git clone -q "$OPEN_UNLEARNING_URL" "$OPEN_UNLEARNING_DIR"
-  if ! git -C "$OPEN_UNLEARNING_DIR" cat-file -e "$OPEN_UNLEARNING_COMMIT^{commit}" 2>/dev/null \
-    && [ -n "${OPEN_UNLEARNING_REF:-}" ]; then
-    git -C "$OPEN_UNLEARNING_DIR" fetch -q origin "$OPEN_UNLEARNING_REF"
+  if ! fetch_commit; then
+    echo "error: $OPEN_UNLEARNING_URL holds no commit $OPEN_UNLEARNING_COMMIT; pass OPEN_UNLEARNING_URL=<a remote that has it>" >&2
+    exit 1
   fi
   git -C "$OPEN_UNLEARNING_DIR" -c advice.detachedHead=false checkout -q "$OPEN_UNLEARNING_COMMIT"
 elif [ ! -f "$OPEN_UNLEARNING_DIR/src/trainer/unlearn/base.py" ]; then
   echo "error: $OPEN_UNLEARNING_DIR exists but is not an open-unlearning checkout" >&2
   exit 1
+elif [ "$(dirname "$(realpath "$OPEN_UNLEARNING_DIR")")" = "$(realpath -m "$OPEN_UNLEARNING_CACHE")" ] \
+  && [ "$(git -C "$OPEN_UNLEARNING_DIR" rev-parse HEAD)" != "$OPEN_UNLEARNING_COMMIT" ] \
+  && [ -z "$(git -C "$OPEN_UNLEARNING_DIR" status --porcelain --untracked-files=no)" ]; then
+  # a checkout an earlier setup cloned, left at the commit the stack had then: moved to today's
+  if fetch_commit; then
+    say "moving $OPEN_UNLEARNING_DIR to $OPEN_UNLEARNING_COMMIT"
+    git -C "$OPEN_UNLEARNING_DIR" -c advice.detachedHead=false checkout -q "$OPEN_UNLEARNING_COMMIT"
+  fi
 fi
 head=$(git -C "$OPEN_UNLEARNING_DIR" rev-parse HEAD 2>/dev/null || echo unknown)
 if [ "$head" != "$OPEN_UNLEARNING_COMMIT" ]; then
   printf '\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n' >&2
   printf '!! WARNING: open-unlearning at %s is at commit %s,\n' "$OPEN_UNLEARNING_DIR" "$head" >&2
-  printf '!! not %s. PALU is tested at d3d7cf9 (STACK=4.45) and 4b43848\n' "$OPEN_UNLEARNING_COMMIT" >&2
+  printf '!! not %s. PALU is tested at d3d7cf9 (STACK=4.45) and 4ad738a\n' "$OPEN_UNLEARNING_COMMIT" >&2
   printf '!! (STACK=4.51); its requirements.txt sets the transformers installed (docs/setup.md).\n' >&2
   printf '!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\n' >&2
 else
@@ -48,19 +62,22 @@ realpath "$OPEN_UNLEARNING_DIR" > "$prefix/etc/palu_trainer/open-unlearning-dir"
 # 3. Its requirements (with our torch held), deepspeed built against that torch, lm-eval, the plugin.
 torch_pin="torch==$("$PY" -W ignore -c 'import torch; print(torch.__version__)')"
 stamp="$prefix/etc/palu_trainer/requirements.sha1"
-digest=$(cat "$OPEN_UNLEARNING_DIR/requirements.txt" setup.cfg lab/pyproject.toml <(echo "$torch_pin") | sha1sum | cut -d' ' -f1)
+digest=$(cat "$OPEN_UNLEARNING_DIR/requirements.txt" "$OPEN_UNLEARNING_DIR/setup.py" setup.cfg lab/pyproject.toml <(echo "$torch_pin") | sha1sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ]; then
   say "requirements unchanged since the last setup"
 else
   skip='torch|deepspeed'
-  command -v nvidia-smi >/dev/null || skip="$skip|bitsandbytes"  # CUDA-only
+  # CUDA-only: bitsandbytes; flash-linear-attention (PR #191's Qwen3.5 kernels, triton)
+  command -v nvidia-smi >/dev/null || skip="$skip|bitsandbytes|flash-linear-attention"
+  # lm-eval: the framework imports it at module level; after its PR #175 its setup.py names it as an extra
+  lm_eval=$(grep -ohE -m1 'lm-eval==[0-9.]+' "$OPEN_UNLEARNING_DIR/setup.py" || true)
   requirements=$(mktemp)
   grep -viE "^($skip)([=<> ]|$)" "$OPEN_UNLEARNING_DIR/requirements.txt" > "$requirements"
   say "installing open-unlearning's requirements (skipping: ${skip//|/, })"
   pip_install -r "$requirements" "$torch_pin"
   say "installing deepspeed (built against $torch_pin) and lm-eval, which the framework imports"
   pip_install --no-build-isolation "deepspeed==0.15.4" "$torch_pin"
-  pip_install "lm-eval==0.4.8" "$torch_pin"
+  pip_install "${lm_eval:-lm-eval==0.4.8}" "$torch_pin"
   say "installing palu-trainer and, for contributors, its lab (lab/: the miniature and the experiments; editable)"
   pip_install -e ".[dev]" "$torch_pin"
   pip_install --no-deps -e lab

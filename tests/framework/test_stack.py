@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from palu_trainer.framework import stack
 from palu_trainer.framework.checkout import checkout_dir
@@ -22,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # What each tested framework commit's requirements.txt pins, of the libraries the plugin also requires.
 TESTED_PINS = {
     "d3d7cf9": {"transformers": "4.45.1", "datasets": "3.0.1", "accelerate": "0.34.2", "hydra-core": "1.3"},
-    "4b43848": {"transformers": "4.51.3", "datasets": "3.0.1", "accelerate": "0.34.2", "hydra-core": "1.3"},
+    "4ad738a": {"transformers": "4.51.3", "datasets": "3.0.1", "accelerate": "0.34.2", "hydra-core": "1.3"},
+    "c3301d8": {"transformers": "5.5.4", "datasets": "3.0.1", "accelerate": "1.13.0", "hydra-core": "1.3"},
 }
-# What those pins bring with them (transformers 4.45.1 takes tokenizers 0.20, 4.51.3 takes 0.21).
-RESOLVED_WITH_THEM = {"tokenizers": ["0.20.3", "0.21.1"], "deepspeed": ["0.15.4"]}
+# What those pins bring with them (transformers 4.45.1 takes tokenizers 0.20, 4.51.3 0.21, 5.5.4 0.22).
+RESOLVED_WITH_THEM = {"tokenizers": ["0.20.3", "0.21.1", "0.22.2"], "deepspeed": ["0.15.4"]}
 pytestmark = pytest.mark.stack
 
 
@@ -67,13 +69,10 @@ def test_a_step_through_the_installed_trainer(make_trainer, method):
         assert all(entry["local_loss"] > 0 for entry in logged)
 
 
-@pytest.mark.parametrize("method", ["PALU", "TPO"])
-def test_accumulated_micro_batches_are_averaged(make_trainer, method):
-    """With 2 accumulation steps, one micro-batch's gradient is half its loss's gradient on both stacks
-    (transformers 4.51 skips the division for models whose forward takes **kwargs)."""
-    trainer_class = {"PALU": PALUTrainer, "TPO": TPOTrainer}[method]
-    method_args = {"top_k": 64, "reference_cache": False} if method == "PALU" else {}
-    trainer = make_trainer(trainer_class=trainer_class, gradient_accumulation_steps=2, **method_args)
+def accumulation_factor(trainer) -> float:
+    """What one micro-batch's gradient under `trainer.training_step` is, as a multiple of its loss's gradient
+    (1/2 with 2 accumulation steps when the loss is averaged over the micro-batches); asserted to be one
+    factor for every parameter."""
     batch = trainer.data_collator([trainer.train_dataset[i] for i in (0, 1)])
     model = trainer.model
     model.zero_grad()
@@ -81,10 +80,51 @@ def test_accumulated_micro_batches_are_averaged(make_trainer, method):
     full = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     step_keywords = inspect.signature(trainer.training_step).parameters
+    # what the training loop passes for the framework's batches, which hold no top-level labels to count
     extra = {"num_items_in_batch": None} if "num_items_in_batch" in step_keywords else {}
+    trainer.current_gradient_accumulation_steps = (
+        trainer.args.gradient_accumulation_steps
+    )  # set by train() on 5.x
     trainer.training_step(model, batch, **extra)
-    for name, parameter in model.named_parameters():
-        torch.testing.assert_close(parameter.grad, full[name] / 2, rtol=1e-5, atol=1e-8, msg=name)
+    step = {name: p.grad.clone() for name, p in model.named_parameters()}
+    squared_norm = sum(float(full[n].pow(2).sum()) for n in full)
+    factor = sum(float((step[n] * full[n]).sum()) for n in full) / squared_norm
+    for name in full:
+        torch.testing.assert_close(step[name], full[name] * factor, rtol=1e-5, atol=1e-8, msg=name)
+    print(f"{type(trainer).__name__}: loss gradient norm {squared_norm**0.5:.4f}, factor {factor:.4f}")
+    return factor
+
+
+@pytest.mark.parametrize("method", ["PALU", "TPO"])
+def test_accumulated_micro_batches_are_averaged(make_trainer, method):
+    """With 2 accumulation steps, one micro-batch's gradient is half its loss's gradient on both stacks
+    (transformers 4.51 skips the division for models whose forward takes **kwargs)."""
+    trainer_class = {"PALU": PALUTrainer, "TPO": TPOTrainer}[method]
+    method_args = {"top_k": 64, "reference_cache": False} if method == "PALU" else {}
+    trainer = make_trainer(trainer_class=trainer_class, gradient_accumulation_steps=2, **method_args)
+    assert accumulation_factor(trainer) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_the_frameworks_stock_trainer_sums_accumulated_micro_batches_on_4_51(make_trainer):
+    """The upstream report in docs/setup.md ("Gradient accumulation on upstream main"): the framework's own
+    GradAscent, unpatched, with 2 accumulation steps, on a Llama (whose forward takes **kwargs). On
+    transformers 4.45 each micro-batch counts half; on 4.51 (upstream main 4ad738a) it counts whole, so the
+    gradient grows with the accumulation steps; on 5.5.4 (PR #191) it counts half again, as 5.x divides
+    whenever the loop counted no labels. The fix that palu-train applies halves it on each."""
+    from palu_trainer.framework.checkout import ensure_importable
+    from palu_trainer.framework.patches import averaging_accumulated_losses
+
+    ensure_importable()
+    from trainer.unlearn.grad_ascent import GradAscent
+
+    trainer = make_trainer(trainer_class=GradAscent, gradient_accumulation_steps=2)
+    summed = Version("4.46") <= Version(transformers.__version__) < Version("5")
+    assert getattr(trainer, "model_accepts_loss_kwargs", False) == (
+        Version(transformers.__version__) >= Version("4.46")
+    )
+    assert accumulation_factor(trainer) == pytest.approx(1.0 if summed else 0.5, rel=1e-5)
+    fixed, _ = averaging_accumulated_losses(lambda: (trainer, None))()
+    assert accumulation_factor(fixed) == pytest.approx(0.5, rel=1e-5)
 
 
 def test_palu_train_averages_every_methods_accumulated_loss():
@@ -117,7 +157,7 @@ def test_processing_class_on_an_older_transformers_is_named_with_both_versions(t
     assert stack.stack_problem(fake_framework(tmp_path / "old", False, "4.45.1")) is None
 
 
-def test_transformers_5_is_refused_with_the_frameworks_pin(tmp_path, monkeypatch):
+def test_transformers_5_is_refused_only_under_a_framework_that_pins_4(tmp_path, monkeypatch):
     src = fake_framework(tmp_path, passes_processing_class=True, pin="4.51.3")
     monkeypatch.setattr(stack, "transformers_version", lambda: "5.24.0")
     problem = stack.stack_problem(src)
@@ -125,6 +165,9 @@ def test_transformers_5_is_refused_with_the_frameworks_pin(tmp_path, monkeypatch
     assert (
         "does not import on transformers 5.x" in problem and "pip install 'transformers==4.51.3'" in problem
     )
+    assert "its PR #191, c3301d8" in problem
+    monkeypatch.setattr(stack, "trainer_takes_processing_class", lambda: True)
+    assert stack.stack_problem(fake_framework(tmp_path / "pr191", True, "5.5.4")) is None
 
 
 @pytest.mark.skipif(

@@ -9,7 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-TESTED_COMMITS = {"d3d7cf9": "transformers 4.45.1", "4b43848": "transformers 4.51.3 (its PR #175)"}
+TESTED_COMMITS = {
+    "d3d7cf9": "transformers 4.45.1",
+    "4ad738a": "transformers 4.51.3 (upstream main after its PR #175)",
+    "c3301d8": "transformers 5.5.4 (its PR #191)",
+}
 # configs/ and span_annotations/: in a wheel, copies inside the package; in a clone, links to the repo's
 # top-level folders (setup.cfg's package_data). Not resolved, so that both read through the package.
 RESOURCES_DIR = Path(__file__).parents[1] / "resources"

@@ -59,6 +59,8 @@ ALLOW_OTHER_DATA = "allow_resume_on_other_data"
 RUN_DATA_FILE = "palu_run_data.json"
 ALLOW_OTHER_OPTIONS = "allow_resume_under_other_options"
 RUN_OPTIONS_FILE = "palu_run_options.json"
+# Not transformers' `overwrite_output_dir`, which 5.x removed from TrainingArguments (a TypeError there).
+ALLOW_OVERWRITE = "allow_overwriting_output_dir"
 # The framework's methods that probe the reference model's hidden states by module (RMU): not with LoRA.
 REFERENCE_MODULE_READERS = ("RMU",)
 
@@ -161,17 +163,18 @@ def lora_checkpoint_problem(key: str, value: str) -> str | None:
     )
 
 
-OVERWRITE_FLAG = "++trainer.args.overwrite_output_dir=true"
+OVERWRITE_FLAG = f"+{ALLOW_OVERWRITE}=true"
 
 
 def finished_folder_problem(cfg, script) -> str | None:
     """A new run into a folder that holds a finished model or a failed run's marker, which it would replace
-    without a word: refused unless overwriting is asked for (transformers' `overwrite_output_dir`) or the run
-    resumes."""
+    without a word: refused unless overwriting is asked for (`ALLOW_OVERWRITE`, or on transformers 4.x its
+    `overwrite_output_dir`) or the run resumes."""
     args = cfg.trainer.args
     if (
         args.get("resume_from_checkpoint")
         or args.get("overwrite_output_dir")
+        or cfg.get(ALLOW_OVERWRITE, False)
         or not args.get("do_train", True)
     ):
         return None

@@ -1,7 +1,7 @@
 """The framework-and-transformers stack this process runs on: what it supports, detected, never pinned.
 
 Two framework states are tested (docs/setup.md): open-unlearning at d3d7cf9 with transformers 4.45.1, and
-after its PR #175 (4b43848) with transformers 4.51.3. They differ in what a trainer sees: #175's
+upstream main after its PR #175 (4ad738a) with transformers 4.51.3. They differ in what a trainer sees: #175's
 `load_trainer` passes `processing_class=` to `Trainer.__init__` (transformers 4.46 added it), the 4.51
 Trainer calls `compute_loss(..., num_items_in_batch=)` and `log(logs, start_time)`, and the forward's
 keyword that keeps the last positions' logits is `logits_to_keep` (4.50) where it was `num_logits_to_keep`.
@@ -15,14 +15,18 @@ from pathlib import Path
 
 import transformers
 
-# The framework's train.py and its stock trainers import names that transformers 5 removed
-# (AutoModelForVision2Seq); its PR #191 targets 5.x. Until a framework commit declares a 5.x pin, refuse it.
-FIRST_UNSUPPORTED_MAJOR = 5
+# A framework commit that pins transformers 4.x imports names that 5.x removed (AutoModelForVision2Seq in
+# train.py and its stock trainers); its PR #191 pins 5.5.4 and imports on it.
+FIRST_MAJOR_OF_5 = 5
 PROCESSING_CLASS_SINCE = "4.46"
 
 
 def transformers_version() -> str:
     return transformers.__version__
+
+
+def major(version: str) -> int:
+    return int(version.split(".")[0])
 
 
 def trainer_takes_processing_class() -> bool:
@@ -73,10 +77,11 @@ def stack_problem(framework_src: Path) -> str | None:
         if pin
         else "install the transformers version its requirements.txt names"
     )
-    if int(installed.split(".")[0]) >= FIRST_UNSUPPORTED_MAJOR:
+    if major(installed) >= FIRST_MAJOR_OF_5 and pin and major(pin) < FIRST_MAJOR_OF_5:
         return (
             f"transformers {installed} is installed, but open-unlearning at {checkout} (transformers "
-            f"{pin or 'unpinned'}) does not import on transformers {FIRST_UNSUPPORTED_MAJOR}.x; {fix}"
+            f"{pin}) does not import on transformers {FIRST_MAJOR_OF_5}.x; {fix}, or move the framework to a "
+            "commit that pins 5.x (its PR #191, c3301d8)"
         )
     if framework_passes_processing_class(framework_src) and not trainer_takes_processing_class():
         return (
@@ -109,5 +114,6 @@ def compute_loss_problem(trainer_class, framework_src: Path) -> str | None:
         f"{trainer_class.__name__}.compute_loss takes no num_items_in_batch, which transformers "
         f"{transformers_version()} passes at every step (since 4.46), while open-unlearning at "
         f"{framework_src.parent} pins transformers {pin or '(unpinned)'}: install that "
-        f"(pip install 'transformers=={pin}'), or move the framework to its PR #175 (4b43848) or later"
+        f"(pip install 'transformers=={pin}'), or move the framework to upstream main (4ad738a, after its "
+        "PR #175)"
     )
