@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from palu_trainer.framework.stack import rotate_checkpoints
 from palu_trainer.framework.stale_weights import FINAL_WEIGHTS, remove_stale_weights
 
 logger = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ class RunGuard:
                     str(staging / folder.name), str(folder)
                 )
             if trainer.args.should_save:
-                trainer._rotate_checkpoints(use_mtime=False, output_dir=str(output_dir))
+                rotate_checkpoints(trainer, str(output_dir))
             return saved
 
         return save
