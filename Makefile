@@ -10,7 +10,7 @@ STACK_COMMIT_4.45 := d3d7cf9e6b3c125d16687d4232680d8d83548f1a
 STACK_COMMIT_4.51 := 4ad738aaf60f6a4385f6e2506d01da99e76c31f3
 STACK_COMMIT_5 := c3301d85484e706da7481dd0cb23022d6693c9c1
 ifeq ($(STACK_COMMIT_$(STACK)),)
-$(error STACK=$(STACK): choose 4.45 (open-unlearning d3d7cf9) 4.51 (open-unlearning 4ad738a, upstream main after its PR 175)\
+$(error STACK=$(STACK): choose 4.45 (open-unlearning d3d7cf9), 4.51 (open-unlearning 4ad738a, upstream main after its PR 175)\
 	or 5 (c3301d8, its PR 191))
 endif
 PYTHON ?= python3

@@ -49,8 +49,8 @@ head=$(git -C "$OPEN_UNLEARNING_DIR" rev-parse HEAD 2>/dev/null || echo unknown)
 if [ "$head" != "$OPEN_UNLEARNING_COMMIT" ]; then
   printf '\n!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n' >&2
   printf '!! WARNING: open-unlearning at %s is at commit %s,\n' "$OPEN_UNLEARNING_DIR" "$head" >&2
-  printf '!! not %s. PALU is tested at d3d7cf9 (STACK=4.45) and 4ad738a\n' "$OPEN_UNLEARNING_COMMIT" >&2
-  printf '!! (STACK=4.51); its requirements.txt sets the transformers installed (docs/setup.md).\n' >&2
+  printf '!! not %s. PALU is tested at d3d7cf9 (STACK=4.45), 4ad738a\n' "$OPEN_UNLEARNING_COMMIT" >&2
+  printf '!! (STACK=4.51) and c3301d8 (STACK=5); its requirements.txt sets the transformers installed (docs/setup.md).\n' >&2
   printf '!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!\n\n' >&2
 else
   say "open-unlearning $head at $OPEN_UNLEARNING_DIR"

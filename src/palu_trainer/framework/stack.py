@@ -1,7 +1,8 @@
 """The framework-and-transformers stack this process runs on: what it supports, detected, never pinned.
 
-Two framework states are tested (docs/setup.md): open-unlearning at d3d7cf9 with transformers 4.45.1, and
-upstream main after its PR #175 (4ad738a) with transformers 4.51.3. They differ in what a trainer sees: #175's
+Three framework states are tested (docs/setup.md): open-unlearning at d3d7cf9 with transformers 4.45.1,
+upstream main after its PR #175 (4ad738a) with transformers 4.51.3, and its PR #191 (c3301d8) with
+transformers 5.5.4. The first two differ in what a trainer sees: #175's
 `load_trainer` passes `processing_class=` to `Trainer.__init__` (transformers 4.46 added it), the 4.51
 Trainer calls `compute_loss(..., num_items_in_batch=)` and `log(logs, start_time)`, and the forward's
 keyword that keeps the last positions' logits is `logits_to_keep` (4.50) where it was `num_logits_to_keep`.
@@ -17,7 +18,7 @@ import transformers
 
 # A framework commit that pins transformers 4.x imports names that 5.x removed (AutoModelForVision2Seq in
 # train.py and its stock trainers); its PR #191 pins 5.5.4 and imports on it.
-FIRST_MAJOR_OF_5 = 5
+MAJOR_WITHOUT_4X_NAMES = 5
 PROCESSING_CLASS_SINCE = "4.46"
 
 
@@ -77,11 +78,11 @@ def stack_problem(framework_src: Path) -> str | None:
         if pin
         else "install the transformers version its requirements.txt names"
     )
-    if major(installed) >= FIRST_MAJOR_OF_5 and pin and major(pin) < FIRST_MAJOR_OF_5:
+    if major(installed) >= MAJOR_WITHOUT_4X_NAMES and pin and major(pin) < MAJOR_WITHOUT_4X_NAMES:
         return (
             f"transformers {installed} is installed, but open-unlearning at {checkout} (transformers "
-            f"{pin}) does not import on transformers {FIRST_MAJOR_OF_5}.x; {fix}, or move the framework to a "
-            "commit that pins 5.x (its PR #191, c3301d8)"
+            f"{pin}) does not import on transformers {MAJOR_WITHOUT_4X_NAMES}.x; {fix}, or move the framework "
+            "to a commit that pins 5.x (its PR #191, c3301d8)"
         )
     if framework_passes_processing_class(framework_src) and not trainer_takes_processing_class():
         return (
