@@ -169,13 +169,18 @@ def greedy_answer(
     """The model's greedy answer through the chat template, and whether it ended with eos."""
     import torch
 
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+    # a dict on every transformers (5.x returns one even without return_dict, 4.x a tensor)
+    encoding = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
+    prompt = encoding["input_ids"]
     with torch.no_grad():
         output = model.generate(
             prompt,
-            attention_mask=torch.ones_like(prompt),
+            attention_mask=encoding["attention_mask"],
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=tokenizer.eos_token_id,
@@ -279,7 +284,9 @@ def convert(model_dir: Path | None = None, force: bool = False, log=print) -> di
     generation = model.generation_config
     generation.bos_token_id, generation.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     generation.pad_token_id = tokenizer.pad_token_id
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_QUESTION}], return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHECK_QUESTION}], return_tensors="pt", return_dict=True
+    )["input_ids"]
     with torch.no_grad():
         reference = (ids, model(ids).logits)
 

@@ -1,5 +1,6 @@
 """`make tofu` / `make compare`: the plan they print, and the fast failure on a machine without GPUs."""
 
+import inspect
 import json
 import os
 import re
@@ -316,6 +317,18 @@ def no_cache(monkeypatch):
     monkeypatch.setattr(recipe, "_on_hub_or_cached", lambda repo_id, repo_type: True)
 
 
+def gated(message: str) -> GatedRepoError:
+    """The hub's answer for a gated repository; huggingface-hub 1.x requires the response it came with."""
+    response = inspect.signature(GatedRepoError.__init__).parameters["response"]
+    if response.default is not inspect.Parameter.empty:
+        return GatedRepoError(message)
+    import httpx
+
+    return GatedRepoError(
+        message, response=httpx.Response(403, request=httpx.Request("GET", "https://huggingface.co"))
+    )
+
+
 def hub_answers(monkeypatch, error):
     def metadata(url, timeout):
         if error:
@@ -326,7 +339,7 @@ def hub_answers(monkeypatch, error):
 
 
 def test_a_gated_tokenizer_without_access_says_to_log_in(monkeypatch, no_cache):
-    hub_answers(monkeypatch, GatedRepoError("Access to model meta-llama/Llama-2-7b-chat-hf is restricted"))
+    hub_answers(monkeypatch, gated("Access to model meta-llama/Llama-2-7b-chat-hf is restricted"))
     problem = hub_problem("meta-llama/Llama-2-7b-chat-hf", "tokenizer", "tokenizer_config.json", {})
     assert problem == (
         "tokenizer meta-llama/Llama-2-7b-chat-hf is gated and this machine's token has no access: run "
@@ -362,7 +375,7 @@ def test_the_recipe_checks_the_model_configs_tokenizer(monkeypatch, no_cache):
     def metadata(url, timeout):
         asked.append(url.split("/resolve/")[0].removeprefix("https://huggingface.co/"))
         if asked[-1].startswith("meta-llama/"):
-            raise GatedRepoError("restricted")
+            raise gated("restricted")
         return object()
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)

@@ -169,7 +169,9 @@ def test_the_converted_folder_is_tied_with_chatml_tokens(smollm2_dir):
     ) + (template.asst_start_tag + answer + template.asst_end_tag)
     assert tokenizer.apply_chat_template(chat, tokenize=False) == tagged
     assert tokenizer.apply_chat_template(chat[1:], tokenize=False) == tagged  # the template's default system
-    assert tokenizer.apply_chat_template(chat) == tokenizer(tagged)["input_ids"]
+    assert (
+        tokenizer.apply_chat_template(chat, return_dict=True)["input_ids"] == tokenizer(tagged)["input_ids"]
+    )
 
 
 @pytest.mark.slow(minutes=5)  # with the fixture's run
