@@ -81,8 +81,8 @@ def stack_problem(framework_src: Path) -> str | None:
     if major(installed) >= MAJOR_WITHOUT_4X_NAMES and pin and major(pin) < MAJOR_WITHOUT_4X_NAMES:
         return (
             f"transformers {installed} is installed, but open-unlearning at {checkout} (transformers "
-            f"{pin}) does not import on transformers {MAJOR_WITHOUT_4X_NAMES}.x; {fix}, or move the framework "
-            "to a commit that pins 5.x (its PR #191, c3301d8)"
+            f"{pin}) does not import on transformers {MAJOR_WITHOUT_4X_NAMES}.x; {fix}, or move the "
+            "framework to a commit that pins 5.x (its PR #191, c3301d8)"
         )
     if framework_passes_processing_class(framework_src) and not trainer_takes_processing_class():
         return (
