@@ -96,7 +96,7 @@ smollm2:
 # make gpu-check [CPU=1] [STEPS=n]: a random-init |V|=32000 Llama through palu-train (PALU with and without the
 # reference cache, TPO, NPO; bf16; ZeRO-3 on >= 2 GPUs) and palu-eval on the local TOFU; steps/s and peak memory.
 gpu-check:
-	$(PY) -m palu_trainer.experiments.gpu_check --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
+	$(PY) -m palu_lab.gpu_check --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
 		$(if $(CPU),--cpu) $(if $(STEPS),--steps $(STEPS))
 
 # TEST_JOBS pytest workers (pytest-xdist), one test file each at a time, one thread each (2 workers on 2 cores

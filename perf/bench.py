@@ -340,7 +340,7 @@ def make_trainer(run, model, config, device, forget, retain, out_dir):
         use_cpu=device == "cpu",
         remove_unused_columns=False,
     )
-    return TRAINER_REGISTRY[handler](
+    trainer = TRAINER_REGISTRY[handler](
         model=model,
         args=training_args,
         train_dataset=ForgetRetainDataset(forget=forget, retain=retain),
@@ -348,6 +348,10 @@ def make_trainer(run, model, config, device, forget, retain, out_dir):
         data_collator=DataCollatorWithTokenRoles(PadToken()),
         **method_args,
     )
+    # transformers 5's training_step divides by it, and only its training loop (which the bench's own
+    # steps replace) sets it
+    trainer.current_gradient_accumulation_steps = training_args.gradient_accumulation_steps
+    return trainer
 
 
 def step(trainer, batch, device) -> float:

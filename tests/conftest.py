@@ -10,7 +10,7 @@ import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from palu_trainer.experiments.tiny import save_tiny_model, train_bpe_tokenizer
+from palu_lab.tiny import save_tiny_model, train_bpe_tokenizer
 
 TAG_TEMPLATE = {
     "apply_chat_template": False,

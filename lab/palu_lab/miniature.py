@@ -24,12 +24,12 @@ from palu_lab import smollm2
 from palu_lab.benchmarks.muse_subset import make_muse_subset
 from palu_lab.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_lab.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
+from palu_lab.tiny import save_tiny_model
 from palu_trainer.benchmarks.hf_dir import read_jsonl
 from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
 from palu_trainer.experiments.methods import METHODS
-from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
 

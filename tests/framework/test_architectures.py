@@ -16,7 +16,7 @@ import transformers
 from packaging.version import Version
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from palu_trainer.experiments.tiny import make_tiny_model
+from palu_lab.tiny import make_tiny_model
 from palu_trainer.framework.projection import PROJECTED_MODEL_TYPES, SOFTCAPPED_MODEL_TYPES, logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 

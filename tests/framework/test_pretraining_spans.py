@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from palu_trainer.experiments.tiny import BOS, EOS, PAD, as_llama_style, train_bpe_tokenizer
+from palu_lab.tiny import BOS, EOS, PAD, as_llama_style, train_bpe_tokenizer
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.roles import TokenRole
 from palu_trainer.spans.format import AnnotationError, read_annotations, write_annotations

@@ -21,6 +21,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from palu_lab.gpu_check import offline_environment, training_result
 from palu_lab.smollm2 import (
     CHECK_WORD,
     EOS,
@@ -31,7 +32,6 @@ from palu_lab.smollm2 import (
     find_gguf,
     read_marker,
 )
-from palu_trainer.experiments.gpu_check import offline_environment, training_result
 from palu_trainer.experiments.methods import tofu_overrides
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.framework.launch import log_tail, run_logged

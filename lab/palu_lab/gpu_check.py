@@ -38,11 +38,11 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from palu_lab.tiny import save_tiny_model
 from palu_trainer.benchmarks.hf_dir import read_configs, read_jsonl, write_configs_readme, write_jsonl
 from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem
-from palu_trainer.experiments.tiny import save_tiny_model
 from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
 from palu_trainer.framework.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE, read_run_stats

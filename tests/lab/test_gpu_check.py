@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from palu_trainer.experiments import gpu_check
+from palu_lab import gpu_check
 from palu_trainer.framework.run_stats import RunStatsCallback, read_run_stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_gpu_check_on_cpu_trains_its_cache_and_lora_runs_then_evaluates(tofu_dir
     makes (PALU with its cache, then evaluated, and the two LoRA runs); PALU without the cache, TPO and NPO
     go through the same code with the overrides that test_integration.py runs per method."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "palu_trainer.experiments.gpu_check", "--cpu"]
+    command = [sys.executable, "-m", "palu_lab.gpu_check", "--cpu"]
     command += ["--tofu-dir", str(tofu_dir), "--out", str(tmp_path), "--methods", *CPU_RUNS]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     print(result.stdout)
@@ -138,7 +138,7 @@ def test_the_model_is_initialised_on_the_device_asked_and_every_shard_is_counted
     (model-0000k-of-0000n.safetensors): the parameter count reads every one."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    from palu_trainer.experiments.tiny import make_tiny_model, train_bpe_tokenizer
+    from palu_lab.tiny import make_tiny_model, train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(["a tiny text"] * 4, 300)
     assert next(make_tiny_model(tokenizer, device="meta").parameters()).device.type == "meta"
