@@ -94,9 +94,13 @@ FORM_ROWS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "PALU_cgrad": ("PALU", "c-gradient", ("trainer.method_args.target_gradient=true",)),
 }
 CONVERGED_ROWS = (*REAL_MODEL_METHODS, *FORM_ROWS, "PALU_release")
-# The new rows' tuning runs start with the rates where the detached form's cliff lies (3e-5, then 1e-4) and
-# the first knob value, so that the first machine-hours answer issue 59's question.
-RUN_ORDER_RATES = (3e-5, 1e-4, 1e-5, 3e-4)
+# The new rows' tuning runs started with the first knob value at the rates of the detached form's cliff
+# (3e-5, then 1e-4), then 1e-5 (all archived). At 1e-4 every PALU form's MU was 0 from epoch 2, so 3e-4 can
+# only collapse sooner and waits for the rest (`RUN_LAST_RATES`); at 1e-5 the c-gradient forms kept 91% of
+# Original's MU at epoch 4 and lost it by epoch 6, so the second knob value (more KL or retain weight) starts
+# there, where it can still answer whether c's gradient keeps utility.
+RUN_ORDER_RATES = (1e-5, 3e-5, 1e-4, 3e-4)
+RUN_LAST_RATES = (3e-4,)
 CLIFF_LEARNING_RATE = 3e-5  # the pilot's: PALU reaches FQ 0.27 there and its MU falls to 0
 # The cliff study's variants of PALU (seed 0, λ 1 unless changed): the paper's knobs across and beyond its
 # grid, then the scale-free local loss. The unchanged setting is the tuning run at the same rate.
@@ -231,16 +235,18 @@ def tuning_runs(rows: Sequence[str], size: RealTofuSize, lora: bool = False) -> 
 
 
 def run_order(runs: Sequence[Run]) -> list[Run]:
-    """The order the pool starts them in: each row's first knob value before its second, and the rates in
-    `RUN_ORDER_RATES`' order (cached runs cost nothing, so this orders the new ones)."""
+    """The order the pool starts them in: `RUN_LAST_RATES` after the rest, each row's first knob value before
+    its second, and the rates in `RUN_ORDER_RATES`' order (cached runs cost nothing, so this orders the new
+    ones)."""
 
-    def position(run: Run) -> tuple[int, int]:
+    def position(run: Run) -> tuple[bool, int, int]:
         knob = METHODS[run.method].knob
         value = run.params.get(knob.name) if knob else None
         values = CONVERGED_KNOB_VALUES.get(run.method, ())
         rate = run.learning_rate / (LORA_RATE_FACTOR if "adapters" in run.params else 1)
         order = [round(r, 12) for r in RUN_ORDER_RATES]
         return (
+            round(rate, 12) in RUN_LAST_RATES,
             values.index(value) if value in values else 0,
             order.index(round(rate, 12)) if round(rate, 12) in order else len(order),
         )
