@@ -22,7 +22,7 @@ from palu_trainer.framework.checkout import checkout_dir
 from .conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # the whole suite, on the default stack: the wheel is the same on both
+pytestmark = pytest.mark.slow  # the wheel's contents, on the default stack; its install runs on every stack
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,7 @@ def test_the_wheel_holds_the_plugin_and_not_the_lab(wheel):
 
 
 @pytest.mark.slow(minutes=4.5)  # with building and installing the wheel
+@pytest.mark.stack  # into each stack's environment (issue 61): other framework and transformers
 def test_palu_train_eval_and_annotate_from_the_installed_wheel(
     installed, tmp_path, tiny_model_dir, small_tofu_mirror, tofu_dir
 ):

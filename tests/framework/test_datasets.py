@@ -139,7 +139,7 @@ def test_dataset_applies_each_initiating_strategy(tmp_path, tokenizer):
 
 
 def test_dataset_rejects_a_bad_policy_before_loading(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="initiating_strategy='prefix' is unknown"):
+    with pytest.raises(ValueError, match="^initiating_strategy='prefix'; choose one of first_n, all, ratio"):
         span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, initiating_strategy="prefix")
 
 

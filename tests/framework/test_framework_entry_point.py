@@ -315,7 +315,7 @@ def test_a_bad_config_stops_train_py_with_the_plugins_message(tmp_path, tiny_mod
     output = stopped(
         "src/train.py", framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", overrides)
     )
-    assert "train.py: peft.r=0: must be a number >= 1 (the adapters' rank)" in output
+    assert "train.py: peft.r=0: must be an integer >= 1 (the adapters' rank)" in output
     assert "Traceback" not in output and "PALUTrainer Trainer loaded" not in output
 
 

@@ -55,12 +55,12 @@ def logits(model, input_ids):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"rank": 8}, "peft.rank: not a LoRA setting (peft takes r, alpha, dropout, target_modules)"),
-        ({"r": 0}, "peft.r=0: must be a number >= 1 (the adapters' rank)"),
-        ({"r": 8.5}, "peft.r=8.5: the adapters' rank, a positive integer"),
-        ({"r": True}, "peft.r=True: must be a number >= 1"),
+        ({"rank": 8}, "peft.rank is not an option of LoRA (+peft=lora): its options are alpha, dropout, r, "),
+        ({"r": 0}, "peft.r=0: must be an integer >= 1 (the adapters' rank)"),
+        ({"r": 8.5}, "peft.r=8.5: must be an integer >= 1"),
+        ({"r": True}, "peft.r=True: must be an integer >= 1"),
         ({"alpha": 0}, "peft.alpha=0: must be a number > 0"),
-        ({"dropout": 1.0}, "peft.dropout=1.0: must be below 1"),
+        ({"dropout": 1.0}, "peft.dropout=1.0: must be a number >= 0 and < 1"),
         ({"dropout": "0.1"}, "peft.dropout='0.1': must be a number >= 0"),
         ({"target_modules": []}, "peft.target_modules=[]: a list of module names"),
         ({"target_modules": 3}, "peft.target_modules=3: a list of module names"),

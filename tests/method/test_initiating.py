@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from palu_trainer.method.initiating import InitiatingPolicy
+from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
@@ -127,20 +127,32 @@ def test_merging_matches_the_released_runs_on_random_layouts():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("options", "message"),
     [
         (
-            {"strategy": "last_n"},
-            r"initiating_strategy='last_n' is unknown; choose one of first_n, all, ratio",
+            {"initiating_strategy": "last_n"},
+            r"^initiating_strategy='last_n'; did you mean first_n\? choose one of first_n, all, ratio",
         ),
-        ({"strategy": "ratio", "ratio": 0}, r"initiating_ratio must be a number in \(0, 1\], got 0"),
-        ({"strategy": "ratio", "ratio": 1.5}, r"initiating_ratio must be a number in \(0, 1\], got 1.5"),
-        ({"ratio": "half"}, r"initiating_ratio must be a number in \(0, 1\]"),
-        ({"num_tokens": 0}, r"num_initiating_tokens \(N\) must be an integer >= 1, got 0"),
-        ({"seed": 1.5}, "initiating_seed must be an integer"),
-        ({"merge_adjacent_spans": "yes"}, "merge_adjacent_spans must be true or false"),
+        (
+            {"initiating_strategy": "ratio", "initiating_ratio": 0},
+            r"^initiating_ratio=0: must be a number > 0 and <= 1 \(p, the initiating share of each span\)",
+        ),
+        (
+            {"initiating_strategy": "ratio", "initiating_ratio": 1.5},
+            r"^initiating_ratio=1.5: must be a number > 0",
+        ),
+        (
+            {"initiating_strategy": "ratio", "initiating_ratio": "half"},
+            r"^initiating_ratio='half': must be a n",
+        ),
+        ({"num_initiating_tokens": 0}, r"^num_initiating_tokens=0: must be an integer >= 1 \(N, the tokens"),
+        (
+            {"initiating_strategy": "random_n", "initiating_seed": 1.5},
+            r"^initiating_seed=1.5: must be an integer",
+        ),
+        ({"merge_adjacent_spans": "yes"}, r"^merge_adjacent_spans='yes'; choose one of true, false$"),
     ],
 )
-def test_bad_policies_name_the_option(kwargs, message):
+def test_bad_policies_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):
-        InitiatingPolicy(**kwargs)
+        InitiatingOptions.parse(options)

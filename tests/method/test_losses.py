@@ -5,10 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.chunking import mean_over_chunks
+from palu_trainer.method.chunking import ProjectionCalls, mean_over_chunks
 from palu_trainer.method.kl import common_kl_loss, common_kl_to_reference_loss
 from palu_trainer.method.local_loss import TARGETS, local_entropy_loss, resolve_top_k
-from palu_trainer.method.objective import PALUObjective, check_kl_weight, term_gradient_norms
+from palu_trainer.method.objective import PALUObjective, term_gradient_norms
+from palu_trainer.method.options import PALUOptions
 from palu_trainer.method.positions import at_forget_positions, predicting_rows
 from palu_trainer.method.reference import (
     DenseReference,
@@ -142,8 +143,10 @@ def test_full_vocabulary_k_is_the_variance_around_the_mean():
 
 
 def test_unknown_target_lists_the_choices():
-    with pytest.raises(ValueError, match="global_mean, topk_mean, ref_mean, uniform, zero"):
-        local_entropy_loss(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), "median")
+    with pytest.raises(
+        ValueError, match="^target='median'; choose one of global_mean, topk_mean, ref_mean, uni"
+    ):
+        PALUOptions.parse({"target": "median"})
     assert TARGETS == ("global_mean", "topk_mean", "ref_mean", "uniform", "zero")
 
 
@@ -174,14 +177,16 @@ def test_top_k_forms_resolve_against_the_vocabulary(top_k, vocab_size, k, caplog
 
 @pytest.mark.parametrize("top_k", [0, -5, "abc", 0.0, 1.5, -0.2, True, None, "0.5"])
 def test_bad_top_k_names_the_option_and_the_forms(top_k):
-    with pytest.raises(ValueError, match=r"top_k=.*positive integer K, `all`, or a share of the vocabulary"):
-        resolve_top_k(top_k, 4096)
+    with pytest.raises(
+        ValueError, match=r"^top_k=.*: give a positive integer K, `all`, or a share of the vocab"
+    ):
+        PALUOptions.parse({"top_k": top_k})
 
 
 @pytest.mark.parametrize("kl_weight", [-1, -0.5, "beta", True, None, float("nan")])
 def test_bad_kl_weight_names_the_option(kl_weight):
     with pytest.raises(ValueError, match=r"kl_weight=.*must be a number >= 0 .* or `alpha`"):
-        check_kl_weight(kl_weight)
+        PALUOptions.parse({"kl_weight": kl_weight})
 
 
 def test_loss_weights_the_kl_by_lambda_or_by_alpha():
@@ -231,12 +236,8 @@ def test_reference_scaled_local_loss_is_one_at_the_reference_and_free_of_the_log
 
 
 def test_unknown_local_loss_scale_lists_the_choices():
-    logits = torch.randn(1, 3, 10)
-    roles = torch.tensor([[IGN, INI, COM]])
-    with pytest.raises(ValueError, match="local_loss_scale.*none.*reference"):
-        forget_terms(logits, roles, reference_targets(logits, roles, 3), local_loss_scale="initial")
-    with pytest.raises(ValueError, match="local_loss_scale='initial'; choose one of none, reference"):
-        PALUObjective(top_k=3, local_loss_scale="initial")
+    with pytest.raises(ValueError, match="^local_loss_scale='initial'; choose one of none, reference$"):
+        PALUOptions.parse({"local_loss_scale": "initial"})
 
 
 def test_term_gradient_norms_are_each_weighted_terms_own_gradient():
@@ -572,9 +573,9 @@ def test_padding_chunks_make_exactly_the_projection_calls_asked_and_add_nothing(
         project.calls = 0
         leaf = hidden.clone().requires_grad_(True)
         objective = PALUObjective(top_k=5, chunk_rows=2)
-        calls = None if initiating_calls is None else (initiating_calls, common_calls)
-        terms = [*objective.forget_terms(leaf, project, roles, reference, calls, recompute)]
-        terms.append(objective.retain_nll(leaf, project, LABELS, retain_calls, recompute))
+        calls = ProjectionCalls(initiating_calls, common_calls, retain_calls, recompute)
+        terms = [*objective.forget_terms(leaf, project, roles, reference, calls)]
+        terms.append(objective.retain_nll(leaf, project, LABELS, calls))
         forward_calls = project.calls
         torch.stack(terms).sum().backward()
         return (

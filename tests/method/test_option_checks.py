@@ -2,9 +2,8 @@
 
 import pytest
 
-from palu_trainer.method.checks import check_loss_weights
-from palu_trainer.method.initiating import InitiatingPolicy
-from palu_trainer.method.tpo_losses import check_beta
+from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
+from palu_trainer.method.options import PALUOptions, TPOOptions
 
 
 @pytest.mark.parametrize(
@@ -18,13 +17,17 @@ from palu_trainer.method.tpo_losses import check_beta
         ({"gamma": float("nan")}, r"gamma=nan: must be a number >= 0"),
     ],
 )
-def test_loss_weights_are_numbers_at_least_zero(options, message):
+@pytest.mark.parametrize("options_type", [PALUOptions, TPOOptions])
+def test_loss_weights_are_numbers_at_least_zero(options_type, options, message):
     with pytest.raises(ValueError, match=message):
-        check_loss_weights(options)
+        options_type.parse(options)
 
 
 def test_zero_and_positive_weights_pass():
-    check_loss_weights({"gamma": 0, "alpha": 2.5, "top_k": 5})
+    assert (PALUOptions.parse({"gamma": 0, "alpha": 2.5}).alpha, TPOOptions.parse({"gamma": 0}).gamma) == (
+        2.5,
+        0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -37,8 +40,8 @@ def test_zero_and_positive_weights_pass():
 )
 def test_tpo_beta_is_positive(beta, message):
     with pytest.raises(ValueError, match=message):
-        check_beta(beta)
-    assert check_beta(0.32) == 0.32
+        TPOOptions.parse({"beta": beta})
+    assert TPOOptions.parse({"beta": 0.5}).beta == 0.5
 
 
 @pytest.mark.parametrize(
@@ -59,17 +62,19 @@ def test_tpo_beta_is_positive(beta, message):
             r"num_initiating_tokens=3 has no effect with initiating_strategy=ratio",
         ),
         ({"initiating_seed": 3}, r"initiating_seed=3 has no effect with initiating_strategy=first_n"),
-        ({"initiating_strategy": "last"}, r"initiating_strategy='last' is unknown"),
+        ({"initiating_strategy": "last"}, r"initiating_strategy='last'; choose one of first_n, all, ratio"),
     ],
 )
 def test_options_the_strategy_ignores_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
-        InitiatingPolicy.from_options(**options)
+        InitiatingOptions.parse(options)
 
 
 def test_unset_options_take_their_defaults():
-    assert InitiatingPolicy.from_options() == InitiatingPolicy(3, "first_n", 0.5, 0)
-    ratio = InitiatingPolicy.from_options(initiating_strategy="ratio", initiating_ratio=0.25)
+    assert InitiatingOptions.parse({}).policy() == InitiatingPolicy(3, "first_n", 0.5, 0)
+    ratio = InitiatingOptions.parse({"initiating_strategy": "ratio", "initiating_ratio": 0.25}).policy()
     assert (ratio.strategy, ratio.ratio, ratio.num_tokens) == ("ratio", 0.25, 3)
-    random_n = InitiatingPolicy.from_options(2, "random_n", None, 7)
+    random_n = InitiatingOptions.parse(
+        {"num_initiating_tokens": 2, "initiating_strategy": "random_n", "initiating_seed": 7}
+    ).policy()
     assert (random_n.num_tokens, random_n.seed) == (2, 7)

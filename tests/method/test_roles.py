@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from palu_trainer.method.initiating import InitiatingPolicy
+from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles, count_roles
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
@@ -33,8 +33,10 @@ def test_truncation_counts_cut_and_dropped_spans():
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "3", True])
 def test_num_initiating_must_be_a_positive_integer(bad):
-    with pytest.raises(ValueError, match=r"num_initiating_tokens \(N\) must be an integer >= 1"):
-        InitiatingPolicy(bad)
+    with pytest.raises(
+        ValueError, match=r"^num_initiating_tokens=.*: must be an integer >= 1 \(N, the tokens"
+    ):
+        InitiatingOptions.parse({"num_initiating_tokens": bad})
 
 
 def test_count_roles():

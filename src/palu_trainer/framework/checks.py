@@ -10,15 +10,15 @@
   and a warning for a checkpoint in the middle of an epoch.
 """
 
-import difflib
-import functools
 import hashlib
 import inspect
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import create_model
 from transformers import Trainer, TrainerCallback
 from transformers.utils import ADAPTER_CONFIG_NAME
 
@@ -32,8 +32,9 @@ from palu_trainer.framework.training_arguments import (
     no_training_warning,
     training_arguments_problem,
 )
-from palu_trainer.method.checks import check_loss_weights, check_number
-from palu_trainer.method.initiating import InitiatingPolicy
+from palu_trainer.method.initiating import InitiatingOptions
+from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
+from palu_trainer.method.validation import Alpha, Choice, Gamma, Number, Options
 
 
 class BadInput(ValueError):
@@ -260,59 +261,43 @@ def trainer_options(cls) -> tuple[set[str], set[str]]:
     return method, accepted
 
 
-def method_args_problem(cfg, script) -> str | None:
-    """An option the chosen trainer does not take (a typo), or a value it refuses: its `options_type`
-    (PALU's typed options), its `check_method_args`, or the stock trainers' checks."""
-    from trainer import TRAINER_REGISTRY
-
-    handler = cfg.trainer.get("handler")
-    cls = TRAINER_REGISTRY.get(handler)
-    method_args = cfg.trainer.get("method_args")
-    if cls is None or method_args is None:
-        return None
-    options = OmegaConf.to_container(method_args, resolve=True)
-    options_type = getattr(cls, "options_type", None)
-    if options_type is not None:
-        check = options_type.from_method_args
-    else:
-        method, accepted = trainer_options(cls)
-        for key in (key for key in options if key not in accepted):
-            close = difflib.get_close_matches(key, sorted(method), n=1)
-            suggestion = f"did you mean {close[0]}? " if close else ""
-            return (
-                f"trainer.method_args.{key} is not an option of {handler}: {suggestion}its options are "
-                f"{', '.join(sorted(method))}"
-            )
-        check = getattr(cls, "check_method_args", None) or functools.partial(check_stock_method_args, cls)
-    try:
-        check(options)
-    except ValueError as error:
-        return f"trainer.method_args.{error}"
-    return None
-
-
-def check_stock_method_args(cls, options: dict) -> None:
-    """The framework's trainers check no values: the loss weights, the beta of NPO, SimNPO and DPO (a
-    temperature that divides their loss: -2/beta · logsigmoid(...)) and GradDiff's retain loss, which would
-    otherwise fail at the first step or train the wrong thing."""
+def stock_options(cls) -> type[Options]:
+    """A stock trainer's options: the keywords of its __init__ up its MRO, with the values that its code does
+    not check: the loss weights, the beta of NPO, SimNPO and DPO (a temperature that divides their loss:
+    -2/beta · logsigmoid(...)) and GradDiff's retain loss, which would otherwise fail at the first step or
+    train the wrong thing."""
     from trainer.unlearn.dpo import DPO
     from trainer.unlearn.grad_diff import GradDiff
     from trainer.unlearn.npo import NPO
     from trainer.unlearn.simnpo import SimNPO
 
-    check_loss_weights(options)
-    if "beta" in options and issubclass(cls, (NPO, SimNPO, DPO)):
-        check_number(
-            "beta", options["beta"], f"{cls.__name__}'s temperature; 0 divides by zero", exclusive=True
-        )
-    if issubclass(cls, GradDiff) and options.get("retain_loss_type", "NLL") not in STOCK_RETAIN_LOSSES:
-        raise ValueError(
-            f"retain_loss_type={options['retain_loss_type']!r}: {cls.__name__} computes "
-            f"{' or '.join(STOCK_RETAIN_LOSSES)} on the retain set; choose one of them"
-        )
+    method, accepted = trainer_options(cls)
+    checked = {"gamma": Gamma, "alpha": Alpha}
+    if issubclass(cls, (NPO, SimNPO, DPO)):
+        checked["beta"] = Number(f"{cls.__name__}'s temperature; 0 divides by zero", gt=0)
+    if issubclass(cls, GradDiff):
+        checked["retain_loss_type"] = Choice(f"{cls.__name__}'s retain loss", *STOCK_RETAIN_LOSS_TYPES)
+    fields = {name: (checked.get(name, Any), None) for name in accepted}
+    options = create_model(f"{cls.__name__}Options", __base__=Options, **fields)
+    options.OWNER, options.LISTED = cls.__name__, tuple(sorted(method))
+    return options
 
 
-STOCK_RETAIN_LOSSES = ("NLL", "KL")
+def method_args_problem(cfg, script) -> str | None:
+    """An option the chosen trainer does not take (a typo), or a value it refuses: PALU's and TPO's
+    `options_type`, or the stock trainers' `stock_options`."""
+    from trainer import TRAINER_REGISTRY
+
+    cls = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
+    method_args = cfg.trainer.get("method_args")
+    if cls is None or method_args is None:
+        return None
+    options_type = getattr(cls, "options_type", None) or stock_options(cls)
+    try:
+        options_type.parse(OmegaConf.to_container(method_args, resolve=True), "trainer.method_args.")
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def trainer_data_problem(cfg, script) -> str | None:
@@ -362,13 +347,11 @@ def max_length_problem(cfg, script) -> str | None:
 
 def initiating_problem(cfg, script) -> str | None:
     """Initiating options the forget dataset would refuse (an option its strategy does not read, N < 1)."""
-    options = ("num_initiating_tokens", "initiating_strategy", "initiating_ratio", "initiating_seed")
     for node in (OmegaConf.select(cfg, "data.forget") or {}).values():
         if node.get("handler") not in SPAN_DATASETS:
             continue
-        args = OmegaConf.to_container(node.get("args", {}), resolve=True)
         try:
-            InitiatingPolicy.from_options(**{key: args[key] for key in options if key in args})
+            InitiatingOptions.parse(OmegaConf.to_container(node.get("args", {}), resolve=True))
         except ValueError as error:
             return str(error)
     return None

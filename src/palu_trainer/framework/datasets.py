@@ -9,7 +9,7 @@ import torch
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.run_guard import RunStopped
-from palu_trainer.method.initiating import InitiatingPolicy
+from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles, count_roles
 from palu_trainer.spans.format import (
     AnnotationError,
@@ -131,22 +131,11 @@ class QAwithSpansDataset(SpanRoles, QADataset):
     def __init__(
         self,
         span_annotations,
-        num_initiating_tokens=None,
-        initiating_strategy="first_n",
-        initiating_ratio=None,
-        initiating_seed=None,
-        merge_adjacent_spans=False,
         min_initiating_tokens="auto",
         *args,
         **kwargs,
     ):
-        policy = InitiatingPolicy.from_options(
-            num_initiating_tokens,
-            initiating_strategy,
-            initiating_ratio,
-            initiating_seed,
-            merge_adjacent_spans,
-        )
+        policy = InitiatingOptions.take(kwargs).policy()
         check_max_length(kwargs.get("max_length", 512))
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
@@ -260,24 +249,16 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         template_args,
         tokenizer,
         span_annotations,
-        num_initiating_tokens=None,
-        initiating_strategy="first_n",
-        initiating_ratio=None,
-        initiating_seed=None,
-        merge_adjacent_spans=False,
         min_initiating_tokens="auto",
         text_key="text",
         max_length=2048,
+        **kwargs,
     ):
-        policy = InitiatingPolicy.from_options(
-            num_initiating_tokens,
-            initiating_strategy,
-            initiating_ratio,
-            initiating_seed,
-            merge_adjacent_spans,
-        )
+        policy = InitiatingOptions.take(kwargs).policy()
         check_max_length(max_length)
-        super().__init__(hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length)
+        super().__init__(
+            hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length, **kwargs
+        )
         texts = list(load_hf_dataset(**hf_args)[text_key])
         self.spans = self._read_spans(span_annotations, policy, texts, field=text_key)
         if not getattr(tokenizer, "is_fast", False):

@@ -16,13 +16,13 @@ import functools
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers.utils import ADAPTER_CONFIG_NAME
 
-from palu_trainer.method.checks import check_number
+from palu_trainer.method.validation import Checked, Integer, Number, Options
 
 logger = logging.getLogger(__name__)
 
@@ -30,42 +30,30 @@ ADAPTER_DIR = "adapter"  # beside the merged weights in the output folder
 ADAPTER_NAME = "default"  # peft's name of the one adapter
 
 
-@dataclass(frozen=True)
-class LoraSettings:
+def module_names(value):
+    """`target_modules`: all-linear, or a list of module name suffixes."""
+    if isinstance(value, str) and value:
+        return value
+    names = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else ()
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError("a list of module names (q_proj, v_proj, ...) or all-linear")
+    return names
+
+
+class LoraSettings(Options):
     """The `peft` config node (`+peft=lora`)."""
 
-    r: int = 16  # rank of each adapter
-    alpha: float = 32.0  # scale alpha / r of the adapter's update
-    dropout: float = 0.05  # dropout on the adapter's input
-    target_modules: str | tuple[str, ...] = "all-linear"  # peft's names: all-linear, or module name suffixes
+    OWNER = "LoRA (+peft=lora)"
+
+    r: Integer("the adapters' rank", ge=1) = 16
+    alpha: Number("the update is scaled by alpha/r", gt=0) = 32.0
+    dropout: Number("the share of the adapters' input dropped", ge=0, lt=1) = 0.05
+    target_modules: Checked("peft's names: all-linear, or module name suffixes", module_names) = "all-linear"
 
     @classmethod
     def from_config(cls, node) -> "LoraSettings":
         """The settings of a `peft` node, or ValueError naming the key and what it takes."""
-        values = dict(node)
-        unknown = sorted(set(values) - {field.name for field in fields(cls)})
-        if unknown:
-            raise ValueError(
-                f"peft.{unknown[0]}: not a LoRA setting (peft takes {', '.join(f.name for f in fields(cls))})"
-            )
-        settings = cls(**values)
-        targets = settings.target_modules
-        if not isinstance(targets, str):
-            targets = tuple(targets) if isinstance(targets, Sequence) else ()
-            if not targets or not all(isinstance(name, str) and name for name in targets):
-                raise ValueError(
-                    f"peft.target_modules={settings.target_modules}: a list of module names (q_proj, "
-                    "v_proj, ...) or all-linear"
-                )
-            settings = cls(settings.r, settings.alpha, settings.dropout, targets)
-        if not isinstance(settings.r, int):
-            raise ValueError(f"peft.r={settings.r!r}: the adapters' rank, a positive integer (16 by default)")
-        check_number("peft.r", settings.r, "the adapters' rank", minimum=1)
-        check_number("peft.alpha", settings.alpha, "the update is scaled by alpha/r", exclusive=True)
-        check_number("peft.dropout", settings.dropout, "dropout on the adapters' input, below 1")
-        if settings.dropout >= 1:
-            raise ValueError(f"peft.dropout={settings.dropout}: must be below 1 (the share dropped)")
-        return settings
+        return cls.parse(OmegaConf.to_container(node, resolve=True), "peft.")
 
 
 def adapter_problem(model, settings: LoraSettings) -> str | None:

@@ -6,94 +6,15 @@ transformers accepts some of these values and fails later with a `ZeroDivisionEr
 `num_train_epochs=0`): each gets a sentence naming the option, the range and why.
 """
 
-import difflib
-import math
-from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import OmegaConf
+from pydantic import ConfigDict
+
+from palu_trainer.method.validation import Checked, Integer, Number, Options, did_you_mean
 
 
-def written(bound: float) -> str:
-    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A numeric `trainer.args` option: integer or any number, within [low, high] (strict where marked)."""
-
-    meaning: str
-    integer: bool = False
-    low: float | None = None
-    high: float | None = None
-    low_strict: bool = False
-    high_strict: bool = False
-    optional: bool = False  # None (null) is allowed: transformers' own default
-
-    def problem(self, value) -> str | None:
-        if value is None and self.optional:
-            return None
-        kind = "an integer" if self.integer else "a number"
-        numeric = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-        if numeric and self.integer and not float(value).is_integer():
-            numeric = False
-        in_range = numeric and not (
-            (self.low is not None and (value <= self.low if self.low_strict else value < self.low))
-            or (self.high is not None and (value >= self.high if self.high_strict else value > self.high))
-        )
-        if in_range:
-            return None
-        bounds = []
-        if self.low is not None:
-            bounds.append(f"{'>' if self.low_strict else '>='} {written(self.low)}")
-        if self.high is not None:
-            bounds.append(f"{'<' if self.high_strict else '<='} {written(self.high)}")
-        return f"must be {kind} {' and '.join(bounds)} ({self.meaning})"
-
-
-POSITIVE_INTEGER = {"integer": True, "low": 1}
-# trainer.args option -> its bound; the framework's own `warmup_epochs` is here too (it becomes warmup_steps).
-BOUNDS = {
-    "per_device_train_batch_size": Bound("rows per device in each micro-batch", **POSITIVE_INTEGER),
-    "per_device_eval_batch_size": Bound("rows per device in each evaluation batch", **POSITIVE_INTEGER),
-    "gradient_accumulation_steps": Bound(
-        "micro-batches per optimizer step; 1 steps after every micro-batch", **POSITIVE_INTEGER
-    ),
-    "learning_rate": Bound(
-        "0 trains nothing and saves the original model as the unlearned one; a negative rate ascends "
-        "every loss",
-        low=0,
-        low_strict=True,
-    ),
-    "num_train_epochs": Bound(
-        "0 trains nothing; to train a few steps set +trainer.args.max_steps=N", low=0, low_strict=True
-    ),
-    "warmup_ratio": Bound("the share of the steps spent warming up", low=0, high=1),
-    "warmup_steps": Bound("optimizer steps of linear warm-up; 0 uses warmup_ratio", integer=True, low=0),
-    "warmup_epochs": Bound(
-        "epochs of warm-up, turned into warmup_steps by the framework", low=0, optional=True
-    ),
-    "weight_decay": Bound("AdamW's decoupled decay; a negative one inflates the weights", low=0),
-    "adam_beta1": Bound("the first-moment decay", low=0, high=1, high_strict=True),
-    "adam_beta2": Bound("the second-moment decay", low=0, high=1, high_strict=True),
-    "adam_epsilon": Bound("added to the update's denominator; 0 divides by zero", low=0, low_strict=True),
-    "max_grad_norm": Bound("the gradient norm clipped to; 0 turns clipping off", low=0, optional=True),
-    "logging_steps": Bound(
-        "steps between logs; a number below 1 is a share of the run", low=0, low_strict=True
-    ),
-    "save_steps": Bound("steps between checkpoints; below 1 a share of the run", low=0, low_strict=True),
-    "eval_steps": Bound(
-        "steps between evaluations; below 1 a share of the run", low=0, low_strict=True, optional=True
-    ),
-    "save_total_limit": Bound("checkpoints kept; null keeps all", optional=True, **POSITIVE_INTEGER),
-    "seed": Bound("numpy's seed range", integer=True, low=0, high=2**32 - 1),
-    "data_seed": Bound("numpy's seed range", integer=True, low=0, high=2**32 - 1, optional=True),
-    "dataloader_num_workers": Bound("worker processes; 0 loads in the main process", integer=True, low=0),
-}
-# Step-interval options and the strategy that reads them.
-READ_BY = {"logging_steps": "logging_strategy", "save_steps": "save_strategy", "eval_steps": "eval_strategy"}
-
-
-def named_choices() -> dict[str, list[str]]:
+def transformers_choices() -> dict[str, list[str]]:
     """trainer.args options that name one of transformers' choices -> the installed version's choices."""
     from transformers.trainer_utils import IntervalStrategy, SchedulerType
     from transformers.training_args import OptimizerNames
@@ -113,29 +34,78 @@ def named_choices() -> dict[str, list[str]]:
     }
 
 
+def TransformersChoice(name: str) -> Any:
+    def check(value):
+        choices = transformers_choices()[name]
+        if value is not None and value not in choices:
+            suggestion = did_you_mean(value, choices)
+            raise ValueError(f"not a choice of transformers: {suggestion}choose one of {', '.join(choices)}")
+        return value
+
+    return Checked(f"one of transformers' {name} choices", check)
+
+
+class TrainerArguments(Options):
+    """The `trainer.args` that transformers accepts and then fails on, after the model has loaded (a
+    `ZeroDivisionError`, a bare torch `ValueError`), or trains on silently (`learning_rate=0`,
+    `num_train_epochs=0`); the framework's own `warmup_epochs` too (it becomes warmup_steps). The rest of
+    `trainer.args` is transformers' to check."""
+
+    model_config = ConfigDict(extra="ignore")
+    OWNER = "the Trainer"
+
+    per_device_train_batch_size: Integer("rows per device in each micro-batch", ge=1) = None
+    per_device_eval_batch_size: Integer("rows per device in each evaluation batch", ge=1) = None
+    gradient_accumulation_steps: Integer(
+        "micro-batches per optimizer step; 1 steps after every micro-batch", ge=1
+    ) = None
+    learning_rate: Number(
+        "0 trains nothing and saves the original model as the unlearned one; a negative rate ascends every "
+        "loss",
+        gt=0,
+    ) = None
+    num_train_epochs: Number("0 trains nothing; to train a few steps set +trainer.args.max_steps=N", gt=0) = (
+        None
+    )
+    warmup_ratio: Number("the share of the steps spent warming up", ge=0, le=1) = None
+    warmup_steps: Integer("optimizer steps of linear warm-up; 0 uses warmup_ratio", ge=0) = None
+    warmup_epochs: Number("epochs of warm-up, turned into warmup_steps by the framework", True, ge=0) = None
+    weight_decay: Number("AdamW's decoupled decay; a negative one inflates the weights", ge=0) = None
+    adam_beta1: Number("the first-moment decay", ge=0, lt=1) = None
+    adam_beta2: Number("the second-moment decay", ge=0, lt=1) = None
+    adam_epsilon: Number("added to the update's denominator; 0 divides by zero", gt=0) = None
+    max_grad_norm: Number("the gradient norm clipped to; 0 turns clipping off", True, ge=0) = None
+    logging_steps: Number("steps between logs; a number below 1 is a share of the run", gt=0) = None
+    save_steps: Number("steps between checkpoints; below 1 a share of the run", gt=0) = None
+    eval_steps: Number("steps between evaluations; below 1 a share of the run", True, gt=0) = None
+    save_total_limit: Integer("checkpoints kept; null keeps all", True, ge=1) = None
+    seed: Integer("numpy's seed range", ge=0, le=2**32 - 1) = None
+    data_seed: Integer("numpy's seed range", True, ge=0, le=2**32 - 1) = None
+    dataloader_num_workers: Integer("worker processes; 0 loads in the main process", ge=0) = None
+    lr_scheduler_type: TransformersChoice("lr_scheduler_type") = None
+    optim: TransformersChoice("optim") = None
+    eval_strategy: TransformersChoice("eval_strategy") = None
+    evaluation_strategy: TransformersChoice("evaluation_strategy") = None
+    logging_strategy: TransformersChoice("logging_strategy") = None
+    save_strategy: TransformersChoice("save_strategy") = None
+
+
+# Step-interval options and the strategy that reads them.
+READ_BY = {"logging_steps": "logging_strategy", "save_steps": "save_strategy", "eval_steps": "eval_strategy"}
+
+
 def training_arguments_problem(cfg, script) -> str | None:
-    """The first `trainer.args` value out of its range or not among its choices."""
+    """The first `trainer.args` value out of its range or not among transformers' choices."""
     args = OmegaConf.to_container(cfg.trainer.args, resolve=True)
-    for name, bound in BOUNDS.items():
-        if name not in args:
-            continue
-        if name in READ_BY and args.get(READ_BY[name], "steps") != "steps":
-            continue
-        if name == "num_train_epochs" and args.get("max_steps", -1) not in (-1, None):
-            continue  # max_steps overrides the epochs
-        problem = bound.problem(args[name])
-        if problem:
-            return f"trainer.args.{name}={args[name]!r}: {problem}"
-    for name, choices in named_choices().items():
-        value = args.get(name)
-        if value is None or value in choices:
-            continue
-        close = difflib.get_close_matches(str(value), choices, n=1)
-        suggestion = f"did you mean {close[0]}? " if close else ""
-        return (
-            f"trainer.args.{name}={value!r} is not a choice of transformers: {suggestion}choose one of "
-            + (", ".join(choices))
+    unread = {name for name, strategy in READ_BY.items() if args.get(strategy, "steps") != "steps"}
+    if args.get("max_steps", -1) not in (-1, None):
+        unread.add("num_train_epochs")  # max_steps overrides the epochs
+    try:
+        TrainerArguments.parse(
+            {name: value for name, value in args.items() if name not in unread}, "trainer.args."
         )
+    except ValueError as error:
+        return str(error)
     return None
 
 

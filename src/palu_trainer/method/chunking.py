@@ -2,6 +2,7 @@
 of positions at a time under activation checkpointing (as chunked cross-entropy in Liger and torchtune)."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -19,6 +20,23 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
 def identity(states: torch.Tensor) -> torch.Tensor:
     """The projection of states that already are logits (a model whose logits PALU cannot recompute)."""
     return states
+
+
+@dataclass(frozen=True)
+class ProjectionCalls:
+    """How one step's losses call the output projection: what ZeRO-3 needs of them, in one object.
+
+    initiating, common, retain: the calls each loss makes (`mean_over_chunks`' num_chunks); None: as many
+    as its rows need. recompute: `mean_over_chunks`' recompute (False under ZeRO-3).
+    """
+
+    initiating: int | None = None
+    common: int | None = None
+    retain: int | None = None
+    recompute: bool = True
+
+
+AS_NEEDED = ProjectionCalls()  # one process: each loss calls the projection as often as its rows need
 
 
 def chunk_count(rows: int, chunk_rows: int) -> int:

@@ -10,17 +10,16 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import ConfigDict, model_validator
+
+from palu_trainer.method.validation import Choice, Integer, Number, Options
+
 STRATEGIES = ("first_n", "all", "ratio", "random_n")
 # The experiment's options of the policy and the strategies that read them (any other strategy ignores it).
 OPTION_READERS = {
     "num_initiating_tokens": ("first_n", "random_n"),
     "initiating_ratio": ("ratio",),
     "initiating_seed": ("random_n",),
-}
-OPTION_FIELDS = {
-    "num_initiating_tokens": "num_tokens",
-    "initiating_ratio": "ratio",
-    "initiating_seed": "seed",
 }
 
 
@@ -47,52 +46,6 @@ class InitiatingPolicy:
     ratio: float = 0.5
     seed: int = 0
     merge_adjacent_spans: bool = False
-
-    def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"initiating_strategy={self.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}"
-            )
-        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
-            raise ValueError(f"num_initiating_tokens (N) must be an integer >= 1, got {self.num_tokens!r}")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, int | float) or not 0 < self.ratio <= 1:
-            raise ValueError(f"initiating_ratio must be a number in (0, 1], got {self.ratio!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"initiating_seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.merge_adjacent_spans, bool):
-            raise ValueError(f"merge_adjacent_spans must be true or false, got {self.merge_adjacent_spans!r}")
-
-    @classmethod
-    def from_options(
-        cls,
-        num_initiating_tokens=None,
-        initiating_strategy="first_n",
-        initiating_ratio=None,
-        initiating_seed=None,
-        merge_adjacent_spans=False,
-    ) -> "InitiatingPolicy":
-        """The policy from the experiment's options; an option the strategy does not read must stay unset.
-
-        None is unset (the default: N=3, ratio 0.5, seed 0). `initiating_ratio=0.25` with `first_n`, or
-        `num_initiating_tokens=1` with `all`, would otherwise be dropped without a word (`OPTION_READERS`).
-        """
-        if initiating_strategy not in STRATEGIES:
-            cls(strategy=initiating_strategy)  # the unknown-strategy message
-        given = {
-            "num_initiating_tokens": num_initiating_tokens,
-            "initiating_ratio": initiating_ratio,
-            "initiating_seed": initiating_seed,
-        }
-        for option, value in given.items():
-            readers = OPTION_READERS[option]
-            if value is not None and initiating_strategy not in readers:
-                raise ValueError(
-                    f"{option}={value!r} has no effect with initiating_strategy={initiating_strategy}: only "
-                    f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it. Set "
-                    f"initiating_strategy={readers[0]}, or drop {option}"
-                )
-        chosen = {OPTION_FIELDS[option]: value for option, value in given.items() if value is not None}
-        return cls(strategy=initiating_strategy, merge_adjacent_spans=merge_adjacent_spans, **chosen)
 
     def __str__(self) -> str:
         chosen = {
@@ -142,3 +95,45 @@ class InitiatingPolicy:
             for span, positions in enumerate(self.group_spans(span_positions))
             for rank in self.initiating_ranks(len(positions), row, span)
         ]
+
+
+class InitiatingOptions(Options):
+    """The forget dataset's initiating options, as its `args` (or the experiment's top level) write them.
+
+    None is unset (the policy's default: N=3, ratio 0.5, seed 0). An option the strategy does not read must
+    stay unset: `initiating_ratio=0.25` with `first_n`, or `num_initiating_tokens=1` with `all`, would
+    otherwise be dropped without a word (`OPTION_READERS`).
+    """
+
+    model_config = ConfigDict(extra="ignore")  # the dataset's other arguments
+    OWNER = "the forget dataset"
+
+    num_initiating_tokens: Integer("N, the tokens that initiate each span", True, ge=1) = None
+    initiating_strategy: Choice("which of a span's tokens initiate it", *STRATEGIES) = "first_n"
+    initiating_ratio: Number("p, the initiating share of each span", True, gt=0, le=1) = None
+    initiating_seed: Integer("random_n's seed", True) = None
+    merge_adjacent_spans: Choice("adjacent spans as one (the released code)", True, False) = False
+
+    @model_validator(mode="after")
+    def strategy_reads_every_option_set(self):
+        for option, readers in OPTION_READERS.items():
+            value = getattr(self, option)
+            if value is not None and self.initiating_strategy not in readers:
+                raise ValueError(
+                    f"{option}={value!r} has no effect with initiating_strategy={self.initiating_strategy}: "
+                    f"only {' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} it. Set "
+                    f"initiating_strategy={readers[0]}, or drop {option}"
+                )
+        return self
+
+    def policy(self) -> InitiatingPolicy:
+        chosen = {
+            "num_tokens": self.num_initiating_tokens,
+            "ratio": self.initiating_ratio,
+            "seed": self.initiating_seed,
+        }
+        return InitiatingPolicy(
+            strategy=self.initiating_strategy,
+            merge_adjacent_spans=self.merge_adjacent_spans,
+            **{name: value for name, value in chosen.items() if value is not None},
+        )

@@ -7,15 +7,9 @@ positions, V vocabulary, m kept entries. Every reduction runs in fp32 or wider; 
 
 import torch
 
-from palu_trainer.method.checks import check_choice
 from palu_trainer.method.chunking import at_least_fp32
 
 KL_DIRECTIONS = ("ref_to_policy", "policy_to_ref")
-
-
-def check_kl_direction(kl_direction: str) -> str:
-    """`ref_to_policy` KL(P_ref ‖ P_θ) (the paper) or `policy_to_ref` KL(P_θ ‖ P_ref) (the released code)."""
-    return check_choice("kl_direction", kl_direction, KL_DIRECTIONS)
 
 
 class _KLFromReference(torch.autograd.Function):

@@ -4,16 +4,15 @@ Shapes: B batch, T sequence length, d the width of the states the objective is h
 size, projected to V by `project`; or V itself when the states are logits and `project` is None).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.checks import check_choice
-from palu_trainer.method.chunking import mean_over_chunks
-from palu_trainer.method.kl import check_kl_direction
-from palu_trainer.method.local_loss import check_local_loss_scale, check_target, local_entropy_loss
+from palu_trainer.method.chunking import AS_NEEDED, ProjectionCalls, mean_over_chunks
+from palu_trainer.method.local_loss import LOCAL_LOSS_SCALES, local_entropy_loss
 from palu_trainer.method.positions import at_forget_positions, flat_rows, label_positions
 from palu_trainer.method.reference import ModelReference, Reference, reference_targets
 
@@ -22,10 +21,13 @@ def check_kl_weight(kl_weight):
     """λ: a number >= 0, or `alpha` (the released code: the KL is weighted by alpha, outside gamma)."""
     if kl_weight == "alpha":
         return kl_weight
-    if isinstance(kl_weight, bool) or not isinstance(kl_weight, int | float) or not kl_weight >= 0:
+    finite = (
+        isinstance(kl_weight, int | float) and not isinstance(kl_weight, bool) and math.isfinite(kl_weight)
+    )
+    if not (finite and kl_weight >= 0):
         raise ValueError(
-            f"kl_weight={kl_weight!r}: must be a number >= 0 (λ, the weight of the KL on common tokens) "
-            "or `alpha` (the released code's tie of the KL weight to the retain weight)"
+            "must be a number >= 0 (λ, the weight of the KL on common tokens) or `alpha` (the released "
+            "code's tie of the KL weight to the retain weight)"
         )
     return kl_weight
 
@@ -68,11 +70,7 @@ class PALUObjective:
     chunk_rows: int | None = None
 
     def __post_init__(self):
-        check_target(self.target)
-        check_choice("target_gradient", self.target_gradient, (True, False))
-        check_kl_direction(self.kl_direction)
-        check_kl_weight(self.kl_weight)
-        check_local_loss_scale(self.local_loss_scale)
+        assert self.local_loss_scale in LOCAL_LOSS_SCALES, self.local_loss_scale  # PALUOptions checked it
 
     def reference(self, states, roles, project=None, top_m=None) -> Reference:
         """The reference's targets for a batch from its states (B, T, d), computed now (no gradient): dense,
@@ -91,8 +89,7 @@ class PALUObjective:
         project: Callable | None,
         roles: torch.Tensor,
         reference: Reference,
-        num_chunks: tuple[int, int] | None = None,
-        recompute: bool = True,
+        calls: ProjectionCalls = AS_NEEDED,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(local, KL) of one forget batch, fp32 scalars; redundant tokens contribute nothing.
 
@@ -101,10 +98,8 @@ class PALUObjective:
                 at the initiating and common positions, `chunk_rows` at a time; None: `states` are logits.
             roles: (B, T) TokenRole of each input token.
             reference: the reference's side for this batch (any `Reference`).
-            num_chunks: (initiating, common) projection calls, for ZeRO-3 (`chunking.mean_over_chunks`).
-            recompute: see `chunking.mean_over_chunks`.
+            calls: the projection calls, for ZeRO-3 (`chunking.ProjectionCalls`).
         """
-        initiating_chunks, common_chunks = num_chunks or (None, None)
 
         def local_rows(logits, rows):
             targets = reference.initiating(rows)
@@ -115,9 +110,9 @@ class PALUObjective:
 
         initiating, common = at_forget_positions(states, roles)
         local = mean_over_chunks(
-            initiating, project, local_rows, self.chunk_rows, initiating_chunks, recompute
+            initiating, project, local_rows, self.chunk_rows, calls.initiating, calls.recompute
         )
-        kl = mean_over_chunks(common, project, reference.kl, self.chunk_rows, common_chunks, recompute)
+        kl = mean_over_chunks(common, project, reference.kl, self.chunk_rows, calls.common, calls.recompute)
         return local, kl
 
     def retain_nll(
@@ -125,8 +120,7 @@ class PALUObjective:
         states: torch.Tensor,
         project: Callable | None,
         labels: torch.Tensor,
-        num_chunks: int | None = None,
-        recompute: bool = True,
+        calls: ProjectionCalls = AS_NEEDED,
     ) -> torch.Tensor:
         """Mean next-token NLL over label positions (`model(labels=...).loss`), projecting only the positions
         that predict a label; labels (B, T), -100 where none, unshifted. Exactly 0 when no label."""
@@ -137,7 +131,7 @@ class PALUObjective:
         def mean_nll(logits, rows):
             return F.cross_entropy(logits, targets[rows]) if len(logits) else logits.new_zeros(())
 
-        return mean_over_chunks(flat, project, mean_nll, self.chunk_rows, num_chunks, recompute)
+        return mean_over_chunks(flat, project, mean_nll, self.chunk_rows, calls.retain, calls.recompute)
 
     def weigh(self, local: torch.Tensor, kl: torch.Tensor, retain: torch.Tensor) -> PALUTerms:
         kl_factor = self.alpha if self.kl_weight == "alpha" else self.gamma * self.kl_weight

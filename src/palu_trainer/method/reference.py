@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from palu_trainer.method.chunking import at_least_fp32
 from palu_trainer.method.kl import (
-    check_kl_direction,
+    KL_DIRECTIONS,
     common_kl_loss,
     common_kl_loss_top_m,
     common_kl_to_reference_loss,
@@ -198,7 +198,7 @@ def reference_targets(
             none, as ZeRO-3's collectives need): with top_m set, never more than `chunk_rows` × V logits
             are held.
     """
-    check_kl_direction(kl_direction)
+    assert kl_direction in KL_DIRECTIONS, kl_direction  # PALUOptions checked it
 
     def in_chunks(rows_states, fields):
         step = chunk_rows or max(len(rows_states), 1)

@@ -21,28 +21,6 @@ CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 INDEX_BYTES = 4  # vocabulary entries are kept as int32
 
 
-def cache_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a `reference_cache_dtype` setting."""
-    if name not in CACHE_DTYPES:
-        raise ValueError(f"reference_cache_dtype={name!r}; choose one of {', '.join(CACHE_DTYPES)}")
-    return CACHE_DTYPES[name]
-
-
-def check_top_m(top_m):
-    """`reference_cache_top_m` as written: a positive integer."""
-    if isinstance(top_m, bool) or not isinstance(top_m, int) or top_m < 1:
-        raise ValueError(
-            f"reference_cache_top_m={top_m!r}: give a positive integer m, the reference's most probable "
-            "entries kept per common position"
-        )
-    return top_m
-
-
-def resolve_top_m(top_m, vocab_size: int) -> int:
-    """m as used: a positive integer, capped at |V| (m = |V| keeps every entry: the exact KL)."""
-    return min(check_top_m(top_m), vocab_size)
-
-
 INITIATING_FIELDS = ("topk_indices", "logit_mean", "topk_spread")
 COMMON_FIELDS = ("indices", "common", "tail", "neg_entropy")
 
@@ -109,7 +87,7 @@ def build_reference_cache(
     in row-major order (see `positions.forget_rows`), in the top-m form (see `reference.reference_targets`).
     Each batch needs `input_ids`, `attention_mask`, `token_roles` and `index`. Called identically on every
     rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set. `dtype`
-    stores the (log) probabilities (see `cache_dtype`).
+    stores the (log) probabilities (`CACHE_DTYPES`).
     """
     cache = None
     dtypes = {"topk_indices": torch.int32, "indices": torch.int32, "common": dtype}

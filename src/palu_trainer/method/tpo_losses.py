@@ -17,18 +17,7 @@ Every reduction runs in fp32; an empty selection gives exactly 0.
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.checks import check_number
 from palu_trainer.method.roles import TokenRole
-
-
-def check_beta(beta):
-    """β of the logit preference loss: a number > 0 (β = 0 divides by zero, β < 0 flips the preference)."""
-    return check_number(
-        "beta",
-        beta,
-        "TPO's logit-preference temperature; 0 divides by zero, a negative one rewards the sensitive tokens",
-        exclusive=True,
-    )
 
 
 def sensitive_tokens(roles: torch.Tensor) -> torch.Tensor:

@@ -10,19 +10,18 @@ from palu_trainer.framework.projection import logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 from palu_trainer.framework.trainers.guarded import GuardedGradDiff
 from palu_trainer.framework.vocabulary import reachable_vocab_size
-from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
+from palu_trainer.method.chunking import ProjectionCalls, chunk_count, logit_chunk_rows
 from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.objective import PALUTerms, term_gradient_norms
 from palu_trainer.method.options import PALUOptions
 from palu_trainer.method.positions import forget_rows, label_positions
 from palu_trainer.method.reference import Reference
 from palu_trainer.method.reference_cache import (
+    CACHE_DTYPES,
     build_reference_cache,
-    cache_dtype,
     count_positions,
     describe,
     estimated_nbytes,
-    resolve_top_m,
 )
 from palu_trainer.method.roles import count_roles
 
@@ -48,8 +47,7 @@ class PALUTrainer(GuardedGradDiff):
     options_type = PALUOptions
 
     def __init__(self, *args, **kwargs):
-        own = (*PALUOptions.names(), *PALUOptions.MOVED)
-        options = PALUOptions.from_method_args({key: kwargs.pop(key) for key in own if key in kwargs})
+        options = PALUOptions.take(kwargs)
         super().__init__(
             *args,
             gamma=options.gamma,
@@ -68,8 +66,8 @@ class PALUTrainer(GuardedGradDiff):
         vocab_size = self.model.config.vocab_size
         top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, self._tokenizer()))
         self.objective = options.objective(top_k, chunk_rows=logit_chunk_rows(vocab_size))
-        self.reference_cache_dtype = cache_dtype(options.reference_cache_dtype)
-        self.reference_cache_top_m = resolve_top_m(options.reference_cache_top_m, vocab_size)
+        self.reference_cache_dtype = CACHE_DTYPES[options.reference_cache_dtype]
+        self.reference_cache_top_m = min(options.reference_cache_top_m, vocab_size)  # |V|: the exact KL
         self.projects_at_positions = self._log_projection()
         self.uses_reference_cache = self._cache_wanted(options.reference_cache)
         self.reference_cache = None
@@ -218,19 +216,18 @@ class PALUTrainer(GuardedGradDiff):
         logger.info(describe(cache, self.objective.top_k, self.reference_cache_dtype))
         return cache
 
-    def _projection_calls(self, roles, retain_labels) -> tuple[tuple[int, int], int]:
-        """Projection calls of this step, ((initiating, common), retain NLL): the chunks each count of
-        positions needs, the most over all ranks. Under ZeRO-3 every call of the partitioned output
-        projection is a collective, so every rank must make as many as the others in each step (forward
-        and checkpointed recompute alike)."""
+    def _projection_calls(self, roles, retain_labels) -> ProjectionCalls:
+        """Projection calls of this step: the chunks each count of positions needs, the most over all ranks.
+        Under ZeRO-3 every call of the partitioned output projection is a collective, so every rank must
+        make as many as the others in each step, and chunks are kept for the backward, not recomputed (see
+        `chunking.mean_over_chunks`)."""
         chunk_rows = self.objective.chunk_rows
         rows = [*(len(each) for each in forget_rows(roles)), len(label_positions(retain_labels))]
         counts = torch.tensor([chunk_count(count, chunk_rows) for count in rows])
         if self.accelerator.num_processes > 1:
             counts = counts.to(self.accelerator.device)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-        initiating, common, retain = counts.tolist()
-        return (initiating, common), retain
+        return ProjectionCalls(*counts.tolist(), recompute=not self.is_deepspeed_enabled)
 
     def _reference(self, forget) -> Reference:
         """This batch's reference: from the cache (by the rows' dataset indices), or from the reference
@@ -242,19 +239,14 @@ class PALUTrainer(GuardedGradDiff):
             states, project, _ = self._forward(self.ref_model, forget)
         return self.objective.model_reference(states, roles, project)
 
-    def _retain_loss(self, model, retain, num_chunks, device) -> torch.Tensor:
+    def _retain_loss(self, model, retain, calls, device) -> torch.Tensor:
         if self.retain_loss_type == "none":
             return torch.zeros((), device=device)
         retain = {key: retain[key] for key in ("input_ids", "attention_mask", "labels")}
         if self.retain_loss_type == "KL":
             return self.compute_retain_loss(model=model, retain_inputs=retain)
         states, project, _ = self._forward(model, retain)
-        return self.objective.retain_nll(states, project, retain["labels"], num_chunks, self._recompute)
-
-    @property
-    def _recompute(self) -> bool:
-        """Chunks recomputed in the backward pass, except under ZeRO-3 (see `chunking.mean_over_chunks`)."""
-        return not self.is_deepspeed_enabled
+        return self.objective.retain_nll(states, project, retain["labels"], calls)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.uses_reference_cache and self.reference_cache is None:
@@ -262,14 +254,12 @@ class PALUTrainer(GuardedGradDiff):
         forget, retain = inputs["forget"], inputs.get("retain")
         roles = forget["token_roles"]
         retain_labels = retain["labels"] if self.retain_loss_type == "NLL" else roles[:, :0]
-        forget_calls, retain_calls = self._projection_calls(roles, retain_labels)
+        calls = self._projection_calls(roles, retain_labels)
         reference = self._reference(forget)
         states, project, outputs = self._forward(model, forget)
         # the forget terms' graph first: autograd accumulates shared parameters' gradients in that order
-        local, kl = self.objective.forget_terms(
-            states, project, roles, reference, forget_calls, self._recompute
-        )
-        terms = self.objective.weigh(local, kl, self._retain_loss(model, retain, retain_calls, local.device))
+        local, kl = self.objective.forget_terms(states, project, roles, reference, calls)
+        terms = self.objective.weigh(local, kl, self._retain_loss(model, retain, calls, local.device))
         self._record_terms(terms, roles, model)
         return (terms.loss, outputs) if return_outputs else terms.loss
 

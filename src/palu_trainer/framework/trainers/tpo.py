@@ -4,34 +4,35 @@ import torch
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.trainers.guarded import GuardedGradDiff
-from palu_trainer.method.checks import check_loss_weights
-from palu_trainer.method.tpo_losses import check_beta, tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.method.options import TPOOptions
+from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
 
 
 class TPOTrainer(GuardedGradDiff):
     """loss = gamma·(LPL + PL) + alpha·retain (released: all weights 1, retain NLL).
 
-    Args (method_args):
-        beta: β of the logit preference loss (released TOFU config: 0.32).
+    Its options (`trainer.method_args`) are `TPOOptions`: β of the logit preference loss (released TOFU
+    config: 0.32) and GradDiff's.
 
     Sensitive tokens are the forget batches' span tokens (`token_roles` INITIATING or REDUNDANT: N plays
     no part); common tokens get the preservation loss. The reference is a frozen copy of the model.
     """
 
-    def __init__(self, beta=0.32, *args, **kwargs):
-        self.check_method_args({**kwargs, "beta": beta})
-        self.beta = beta
-        super().__init__(*args, **kwargs)
+    options_type = TPOOptions
+
+    def __init__(self, *args, **kwargs):
+        options = TPOOptions.take(kwargs)
+        self.beta = options.beta
+        super().__init__(
+            *args,
+            gamma=options.gamma,
+            alpha=options.alpha,
+            retain_loss_type=options.retain_loss_type,
+            **kwargs,
+        )
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)
-
-    @classmethod
-    def check_method_args(cls, options: dict) -> None:
-        """Refuse bad `method_args` values; palu-train calls it on the composed config before loading."""
-        check_loss_weights(options)
-        if "beta" in options:
-            check_beta(options["beta"])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         forget = inputs["forget"]

@@ -1,0 +1,144 @@
+"""The plugin's one validation system: each group of options (PALU's and TPO's `method_args`, the stock
+trainers' loss weights, LoRA's `peft` node, the Trainer's numeric arguments) is a pydantic model whose fields
+carry their range and meaning. `Options.parse` checks a group once, before anything loads, and turns the first
+problem into one sentence naming the option, the value and what to write instead.
+
+Strict: `1` is not `true`, `"0.1"` is not a number, and NaN or infinity is no loss weight.
+"""
+
+import difflib
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self, get_args
+
+import annotated_types
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+
+
+def did_you_mean(value, choices) -> str:
+    """'did you mean X? ' for the choice nearest to a misspelt `value`, or ''."""
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    return f"did you mean {close[0]}? " if close else ""
+
+
+def written(value) -> str:
+    """A value as a config writes it: booleans in YAML's lower case, integral bounds without a point."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def Number(meaning: str, optional: bool = False, **bounds) -> Any:
+    """A number (int or float, not bool) within `bounds` (pydantic's ge, gt, le, lt); `optional`: or null."""
+    return Annotated[float | None if optional else float, Field(description=meaning, **bounds)]
+
+
+def Integer(meaning: str, optional: bool = False, **bounds) -> Any:
+    return Annotated[int | None if optional else int, Field(description=meaning, **bounds)]
+
+
+def Choice(meaning: str, *choices) -> Any:
+    """One of `choices`, each compared with its type: 1 is not true, and "true" is not true either."""
+
+    names = [written(choice) for choice in choices]
+
+    def check(value, info: ValidationInfo):
+        if not any(type(value) is type(choice) and value == choice for choice in choices):
+            raise ValueError(
+                f"{info.field_name}={value!r}; {did_you_mean(value, names)}choose one of {', '.join(names)}"
+            )
+        return value
+
+    return Annotated[Any, AfterValidator(check), Field(description=meaning)]
+
+
+def Checked(meaning: str, check) -> Any:
+    """A value that `check(value)` accepts; it raises ValueError whose text follows `name=value: `."""
+
+    def validate(value, info: ValidationInfo):
+        try:
+            return check(value)
+        except ValueError as error:
+            raise ValueError(f"{info.field_name}={value!r}: {error}") from None
+
+    return Annotated[Any, AfterValidator(validate), Field(description=meaning)]
+
+
+BOUND_SYMBOLS = {
+    annotated_types.Ge: ">=",
+    annotated_types.Gt: ">",
+    annotated_types.Le: "<=",
+    annotated_types.Lt: "<",
+}
+
+
+def number_problem(info) -> str:
+    """'must be an integer >= 1 (meaning)': the range of a numeric field, read off its constraints."""
+    kinds = [kind for kind in (get_args(info.annotation) or (info.annotation,)) if kind is not type(None)]
+    words = ["must be", "an integer" if kinds == [int] else "a number"]
+    bounds = [bound for bound in info.metadata if type(bound) in BOUND_SYMBOLS]
+    words.append(
+        " and ".join(
+            f"{BOUND_SYMBOLS[type(bound)]} {written(float(getattr(bound, type(bound).__name__.lower())))}"
+            for bound in bounds
+        )
+    )
+    return f"{' '.join(filter(None, words))} ({info.description})"
+
+
+class Options(BaseModel):
+    """A group of options: subclasses declare fields with `Number`, `Integer`, `Choice` or `Checked`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    OWNER: ClassVar[str] = "this trainer"  # "… is not an option of OWNER"
+    # Options that moved elsewhere: the message says where.
+    MOVED: ClassVar[Mapping[str, str]] = {}
+    # The names that an unknown key's message lists, where not every field (a stock trainer's keywords).
+    LISTED: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(cls.model_fields)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        return {name: info.default for name, info in cls.model_fields.items() if not info.is_required()}
+
+    @classmethod
+    def parse(cls, values: Mapping, prefix: str = "") -> Self:
+        """The options of `values` (absent ones at their defaults), or a ValueError naming the first bad key
+        or value (`prefix`: where the group sits in the config, e.g. `trainer.args.`)."""
+        for key in values:
+            if key in cls.MOVED:
+                raise ValueError(cls.MOVED[key])
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as error:
+            first = min(error.errors(), key=lambda each: each["type"] != "extra_forbidden")  # a typo first
+            raise ValueError(prefix + cls.problem(first)) from None
+
+    @classmethod
+    def take(cls, arguments: dict) -> Self:
+        """`parse` of this group's keys, taken out of a constructor's keyword `arguments` (the rest stay)."""
+        return cls.parse(
+            {name: arguments.pop(name) for name in (*cls.names(), *cls.MOVED) if name in arguments}
+        )
+
+    @classmethod
+    def problem(cls, error: dict) -> str:
+        if error["type"] == "value_error":
+            return str(error["ctx"]["error"])
+        name = str(error["loc"][0])
+        if error["type"] == "extra_forbidden":
+            listed = cls.LISTED or sorted(cls.names())
+            return (
+                f"{name} is not an option of {cls.OWNER}: {did_you_mean(name, listed)}its options are "
+                f"{', '.join(listed)}"
+            )
+        return f"{name}={error['input']!r}: {number_problem(cls.model_fields[name])}"
+
+
+# The loss weights every trainer of this plugin reads (GradDiff's gamma and alpha).
+Gamma = Number("the weight of the forget terms; a negative one ascends them", ge=0)
+Alpha = Number("the weight of the retain loss; a negative one is gradient ascent on the retain set", ge=0)
