@@ -231,18 +231,6 @@ def resume_options_problem(cfg, script) -> str | None:
     )
 
 
-def max_steps_problem(cfg, script) -> str | None:
-    args = cfg.trainer.args
-    max_steps = args.get("max_steps", -1)
-    if max_steps == -1 or (isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1):
-        return None
-    return (
-        f"trainer.args.max_steps={max_steps!r}: give a number of optimizer steps >= 1, or -1 (the default) "
-        f"to train trainer.args.num_train_epochs={args.get('num_train_epochs')} epochs (transformers reads 0 "
-        "as 'no limit' and trains every epoch)"
-    )
-
-
 def trainer_options(cls) -> tuple[set[str], set[str]]:
     """(method options, every accepted keyword) of a trainer class: its __init__ parameters up its MRO."""
     method, accepted = set(), set()
@@ -385,7 +373,6 @@ CONFIG_CHECKS = (
     (("train", "eval"), model_path_problem),
     (("train",), finished_folder_problem),
     (("train",), resume_options_problem),
-    (("train",), max_steps_problem),
     (("train",), training_arguments_problem),
     (("train",), method_args_problem),
     (("train",), forget_weight_problem),

@@ -34,6 +34,15 @@ def transformers_choices() -> dict[str, list[str]]:
     }
 
 
+def step_limit(value):
+    if value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        "give a number of optimizer steps >= 1, or -1 (the default) to train trainer.args.num_train_epochs "
+        "epochs (transformers reads 0 as 'no limit' and trains every epoch)"
+    )
+
+
 def TransformersChoice(name: str) -> Any:
     def check(value):
         choices = transformers_choices()[name]
@@ -54,6 +63,7 @@ class TrainerArguments(Options):
     model_config = ConfigDict(extra="ignore")
     OWNER = "the Trainer"
 
+    max_steps: Checked("optimizer steps; -1: the epochs", step_limit) = None
     per_device_train_batch_size: Integer("rows per device in each micro-batch", ge=1) = None
     per_device_eval_batch_size: Integer("rows per device in each evaluation batch", ge=1) = None
     gradient_accumulation_steps: Integer(
