@@ -291,6 +291,8 @@ def test_attention_follows_the_config_unless_flash_attn_cannot_run(monkeypatch, 
 
 def test_flash_attention_asked_for_but_absent_stops_the_recipe(monkeypatch, capsys):
     monkeypatch.setattr(recipe, "flash_attention_problem", lambda: "the flash-attn package is not installed")
+    # no hub request: huggingface-hub 0.36 (the 4.51 stack) retries an unreachable hub for ~45 s
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stop:
         recipe_main(["--forget", "01", "--attn", "flash_attention_2", "--gpus", "1"])
     assert stop.value.code == 2
