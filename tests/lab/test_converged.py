@@ -208,13 +208,14 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
     assert summary["selected"]["PALU_cgrad"] == "PALU_lr0.0001_lambda1_c-gradient_seed0"
     assert summary["selected"]["PALU_release"] == "PALU_release_lr0.0001_alpha1_seed0"
-    # the new rows' runs start with the detached form's cliff rate, then 1e-4 (the pool's order)
+    # the new rows' runs in the pool's order: each knob value at 1e-5, 3e-5, 1e-4, and 3e-4 after them all
     new = [
         next(part for part in overrides if part.startswith("trainer.args.learning_rate="))
         for overrides in framework.trained
         if "trainer=PALU_release" in overrides or any("target_gradient" in part for part in overrides)
     ]
-    assert new[:4] == ["trainer.args.learning_rate=3e-05"] * 2 + ["trainer.args.learning_rate=0.0001"] * 2
+    knob_value = [f"trainer.args.learning_rate={rate}" for rate in ("1e-05", "3e-05", "0.0001") for _ in "ab"]
+    assert new[:16] == 2 * knob_value + ["trainer.args.learning_rate=0.0003"] * 4
     palu = summary["rows"]["PALU"]["forget_quality"]
     assert palu["seeds"] == 3 and palu["high"] == pytest.approx(palu["low"] * 1.1)
     assert summary["reading"][0].startswith("PALU beats")
