@@ -112,11 +112,12 @@ test:
 	$(PYTEST) --durations=60 -m "not distributed" tests
 	$(PYTEST_SERIAL) --durations=5 -m distributed tests
 
-# The other framework stack's suite (CI runs it on STACK=4.51): the fast suite plus the tests marked
-# `stack` (end-to-end palu-train + palu-eval per method, the users' configurations, new architectures,
-# the real-model FAST check), the distributed one after the others, alone. make setup STACK=4.51 first.
+# Another framework stack's suite (CI runs it on STACK=4.51 and STACK=5): the fast suite but for what no stack
+# changes (`stack_independent`), plus the tests marked `stack` (end-to-end palu-train + palu-eval per method,
+# the users' configurations, new architectures, the real-model FAST check), the distributed ones after the
+# others, alone. make setup STACK=4.51 first.
 test-stack:
-	$(PYTEST) --durations=25 -m "((not slow) or stack) and not distributed" tests
+	$(PYTEST) --durations=25 -m "(stack or not (slow or stack_independent)) and not distributed" tests
 	$(PYTEST_SERIAL) -m "distributed and stack" tests
 
 # The suite without the runs that train end to end or launch two processes (markers in pyproject.toml): a loop

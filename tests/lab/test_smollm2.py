@@ -1,11 +1,13 @@
 """The SmolLM2 converter's messages and paths, without the model: a missing wheel or `gguf`, a missing or
 broken GGUF file, and the folder that the converter, the model config and setup.sh agree on."""
 
+import fcntl
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,16 @@ def test_a_folder_saved_by_this_stack_is_written_as_every_stack_reads_it(tmp_pat
     config = AutoConfig.from_pretrained(tmp_path)
     theta = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
     assert theta["rope_theta"] == 12345.0
+
+
+def test_a_second_conversion_waits_for_the_first_setups_lock(tmp_path, monkeypatch):
+    """CI prepares its three stacks at once: their conversions into one folder take turns."""
+    converted = threading.Event()
+    monkeypatch.setattr(smollm2, "convert_unlocked", lambda *args: converted.set())
+    with open(tmp_path / "model.lock", "w") as first_setup:
+        fcntl.flock(first_setup, fcntl.LOCK_EX)
+        second = threading.Thread(target=smollm2.convert, args=(tmp_path / "model",))
+        second.start()
+        assert not converted.wait(1.0)
+    second.join(5)
+    assert converted.is_set()
