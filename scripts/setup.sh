@@ -5,7 +5,7 @@
 # OPEN_UNLEARNING_COMMIT, OPEN_UNLEARNING_DIR, OPEN_UNLEARNING_CACHE.
 set -euo pipefail
 
-say() { printf '== setup: %s\n' "$*"; }
+say() { printf '== setup [%3d s]: %s\n' "$SECONDS" "$*"; }  # seconds since this setup began
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # 1. torch first, so nothing below pulls another build (a bare `torch` would fetch CUDA wheels).
