@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import yaml
 
 from palu_lab import smollm2
 from palu_lab.benchmarks.muse_subset import make_muse_subset
@@ -256,6 +259,27 @@ def file_digest(*paths: Path) -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def config_digest(config_dir: Path = CONFIG_DIR) -> str:
+    """What the plugin's configs set, not how their files are written: each YAML's content at the place its
+    `@package` header puts it (else its group's), without comments or the `hydra:` section (callbacks, which
+    train nothing). The unlearning stages' key holds it: hashing the files' bytes, the Hydra callback that
+    369b410 added to the experiment YAMLs made every archived run of the converged experiment run again."""
+    content = {}
+    for path in sorted(config_dir.rglob("*.yaml")):
+        relative = path.relative_to(config_dir)
+        text = path.read_text()
+        header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
+        package = header.group(1) if header else ".".join(relative.parent.parts)
+        node = yaml.safe_load(text) or {}
+        if package == "_global_":
+            node.pop("hydra", None)
+        else:
+            for part in reversed(package.split(".")):
+                node = {part: node}
+        content[str(relative)] = node
+    return hashlib.sha1(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def benchmark_texts(data_dir: Path) -> list[str]:
@@ -560,7 +584,7 @@ class Stages:
             original_dir.name,
             *self.benchmark_digest(),
             *([file_digest(span_file)] if METHODS[method].uses_spans else []),
-            file_digest(*CONFIG_DIR.rglob("*.yaml")),
+            config_digest(),
             *command,
         ]
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from palu_lab.miniature import config_digest
 from palu_lab.stage_archive import StageArchive
 
 
@@ -61,3 +62,25 @@ def test_origins_count_the_unlearning_runs_by_original_and_commit(tmp_path):
         archive.keep(finished_stage(tmp_path / "cache", name, {}), {"original": digest, "commit": commit})
     assert archive.origins() == {"x": 2, "y": 1}
     assert archive.origins("commit") == {"c1": 1, "c2": 2}
+
+
+def test_the_config_digest_changes_with_what_the_configs_set_not_with_how_they_are_written(tmp_path):
+    """The unlearning stages' key: a comment, a Hydra callback or a package header that moves nothing keeps
+    every archived run; a changed value runs them again."""
+    configs = tmp_path / "configs"
+    (configs / "peft").mkdir(parents=True)
+    (configs / "experiment").mkdir()
+    lora, experiment = configs / "peft" / "lora.yaml", configs / "experiment" / "palu.yaml"
+    lora.write_text("# @package peft\nr: 16\n")
+    experiment.write_text("# @package _global_\ntrainer:\n  method_args:\n    kl_weight: 1.0\n")
+    written = config_digest(configs)
+
+    lora.write_text("# @package _global_\n# adapters\npeft:\n  r: 16\nhydra:\n  callbacks:\n    plugin: {}\n")
+    experiment.write_text(experiment.read_text() + "# checks\nhydra:\n  callbacks:\n    plugin: {}\n")
+    assert config_digest(configs) == written
+
+    experiment.write_text(experiment.read_text().replace("kl_weight: 1.0", "kl_weight: 2.0"))
+    assert config_digest(configs) != written
+    (configs / "peft" / "lora.yaml").unlink()
+    experiment.write_text(experiment.read_text().replace("kl_weight: 2.0", "kl_weight: 1.0"))
+    assert config_digest(configs) != written
