@@ -12,7 +12,9 @@ paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's war
 3. seeds: the setting that the selection rule picks per method (on the last epoch), on seeds 1 and 2, curves
    included: the table is mean [min–max] over 3 seeds;
 4. PALU's utility cliff: at the pilot's cliff learning rate, the paper's knobs beyond its grid and the
-   scale-free local loss (`local_loss_scale=reference`), with each term's gradient norm logged.
+   scale-free local loss (`local_loss_scale=reference`), with each term's gradient norm logged;
+5. the paper's target ablation (its Figure 4, right): each target c of the ablation axis at PALU's selected
+   setting, seed 0, with c's gradient as `trainer=PALU` sets it.
 Every unlearning run and evaluation is cached on disk by its inputs (a stopped experiment continues);
 checkpoints and weights are deleted once evaluated. `--plan` prints every run and the estimated time.
 """
@@ -33,6 +35,7 @@ from typing import TypeVar
 import numpy
 
 from palu_lab import real_model
+from palu_lab.ablation_chart import plot_axis
 from palu_lab.miniature import (
     SMOLLM2,
     TOFU_SIZES,
@@ -48,6 +51,7 @@ from palu_lab.miniature import (
 from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
 from palu_lab.stage_archive import StageArchive, this_machine
 from palu_trainer.experiments import report
+from palu_trainer.experiments.ablation_axes import AXES
 from palu_trainer.experiments.methods import (
     CONVERGED_KNOB_VALUES,
     METHODS,
@@ -262,6 +266,25 @@ def cliff_runs(size: RealTofuSize) -> list[Run]:
     return [
         Run(label, "PALU", size.seeds[0], rate, {**params, "variant": name}, (*stock, *overrides))
         for label, (name, overrides) in CLIFF_VARIANTS.items()
+    ]
+
+
+# The target ablation's runs: every target of the ablation axis but the default, whose point is PALU's
+# selected run.
+TARGET_VARIANTS = {label: overrides for label, overrides in AXES["c"].points.items() if overrides}
+
+
+def target_runs(selected: Run) -> list[Run]:
+    """`TARGET_VARIANTS` at `selected` (PALU's selected setting on seed 0), named as the cliff study's
+    target variant, so the same setting is one run."""
+    return [
+        replace(
+            selected,
+            row=f"c={label}",
+            params={**selected.params, "variant": f"target-{label}"},
+            extra=(*selected.extra, *overrides),
+        )
+        for label, overrides in TARGET_VARIANTS.items()
     ]
 
 
@@ -641,13 +664,32 @@ def lora_against_full(
     return markdown, reading
 
 
+OUTCOME_HEADERS = (
+    "final FQ", "final MU", "forget ROUGE", "retain ROUGE",
+    *(f"best FQ at MU ≥ {s:.0%}" for s in UTILITY_SHARES),
+)  # fmt: skip
+
+
+def outcome_cells(curve: Curve, original_utility: float) -> list[str]:
+    """`OUTCOME_HEADERS`' cells: the final model's metrics, then the best FQ along the curve at each
+    utility floor, with its epoch."""
+    final = curve.points[-1].metrics
+    best = [best_at_utility(curve.points, share * original_utility) for share in UTILITY_SHARES]
+    return [
+        report.format_value(final.get(FORGETTING), "{:.3g}"),
+        report.format_value(final.get(UTILITY), "{:.3f}"),
+        report.format_value(final.get("forget_rouge"), "{:.3f}"),
+        report.format_value(final.get("retain_rouge"), "{:.3f}"),
+        *(f"{b.quality:.3g} (ep {b.epoch})" if b else "—" for b in best),
+    ]
+
+
 def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float) -> tuple[str, list[str]]:
     """PALU's cliff study: per variant, the first step's terms and gradient norms, the final model, and the
     best FQ along its epochs at each utility floor; and which variants keep MU where the base does not."""
     headers = [
         "variant", "step-1 local / KL / retain", "step-1 grad norm: local / KL / retain (total)",
-        "final FQ", "final MU", "forget ROUGE", "retain ROUGE",
-        *(f"best FQ at MU ≥ {s:.0%}" for s in UTILITY_SHARES),
+        *OUTCOME_HEADERS,
     ]  # fmt: skip
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     rows = [
@@ -661,16 +703,8 @@ def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float)
         terms = " / ".join(report.format_value(first.get(k), "{:.3g}") for k in TERM_KEYS[:3])
         norms = " / ".join(report.format_value(first.get(k), "{:.3g}") for k in TERM_KEYS[4:])
         norms += f" ({report.format_value(first.get('grad_norm'), '{:.3g}')})"
-        final = curve.points[-1].metrics
-        best = [best_at_utility(curve.points, share * original_utility) for share in UTILITY_SHARES]
-        best_of[label] = best
-        cells = [
-            terms, norms, report.format_value(final.get(FORGETTING), "{:.3g}"),
-            report.format_value(final.get(UTILITY), "{:.3f}"),
-            report.format_value(final.get("forget_rouge"), "{:.3f}"),
-            report.format_value(final.get("retain_rouge"), "{:.3f}"),
-            *(f"{b.quality:.3g} (ep {b.epoch})" if b else "—" for b in best),
-        ]  # fmt: skip
+        best_of[label] = [best_at_utility(curve.points, share * original_utility) for share in UTILITY_SHARES]
+        cells = [terms, norms, *outcome_cells(curve, original_utility)]
         lines.append("| " + " | ".join([label.replace("|", "\\|"), *cells]) + " |")
     base_label = rows[0][0]
     reading = []
@@ -689,6 +723,60 @@ def cliff_table(base: Curve, variants: Sequence[Curve], original_utility: float)
         )  # fmt: skip
         reading[-1] += "; higher: " + (", ".join(better) if better else "none of the variants") + "."
     return "\n".join(lines), reading
+
+
+# The paper's reading of its target ablation (Section "Analysis of Optimization Target c"); its Figure 4's bar
+# heights are not in its text.
+PAPER_TARGET_READING = (
+    "The paper adopts c = the global mean of the current model's logits (global_mean) and calls the uniform "
+    'target "a maximum entropy constraint that proves too strict".'
+)
+
+
+def target_section(
+    default: Curve, targets: Sequence[Curve], references: Mapping, original_utility: float, chart: Path
+) -> tuple[list[str], list[str]]:
+    """The target ablation's markdown (a row per target of `AXES["c"]`, in the paper's order; the default's
+    row is PALU's selected run) and reading, and its chart: the paper's Figure 4 (right), FQ and MU of the
+    final models."""
+    axis = AXES["c"]
+    by_label = {axis.default: default, **{curve.run.row.removeprefix("c="): curve for curve in targets}}
+    curves = {label: by_label[label] for label in axis.points}
+    headers = ["target c", *OUTCOME_HEADERS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for label, curve in curves.items():
+        shown = f"{label} (default)" if label == axis.default else label
+        lines.append("| " + " | ".join([shown, *outcome_cells(curve, original_utility)]) + " |")
+    finals = {label: report.EvaluatedModel(dict(curve.points[-1].metrics)) for label, curve in curves.items()}
+    plot_axis(chart, axis, finals, references, utility=UTILITY, title=f"PALU at {setting(default.run)}")
+    floor = UTILITY_SHARES[-1]
+
+    def best_quality(label: str) -> float:
+        best = best_at_utility(curves[label].points, floor * original_utility)
+        return best.quality if best else -1.0
+
+    ranked = sorted(curves, key=best_quality, reverse=True)
+    reading = [
+        f"Ranked by the best FQ at MU ≥ {floor:.0%} of the Original's along the curve: "
+        + " > ".join(
+            f"{label} ({best_quality(label):.3g})" if best_quality(label) >= 0 else f"{label} (no point)"
+            for label in ranked
+        )
+        + ".",
+        PAPER_TARGET_READING,
+    ]
+    markdown = [
+        f"Seed {default.run.seed}, PALU's selected setting ({setting(default.run)}), c's gradient as "
+        "`trainer=PALU` sets it; which targets are shift-invariant: docs/method.md.",
+        "",
+        *lines,
+        "",
+        *(f"- {line}" for line in reading),
+        "",
+        f"![targets]({chart.name})",
+        "",
+    ]
+    return markdown, reading
 
 
 def run_all(pool, function, items: Sequence) -> list:
@@ -719,10 +807,12 @@ def run_minutes(size: RealTofuSize) -> float:
 
 def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool = False) -> list[str]:
     tuning = tuning_runs(methods, size, lora)
-    cliff = cliff_runs(size) if "PALU" in methods and not lora else []
+    ablated = "PALU" in methods and not lora
+    cliff = cliff_runs(size) if ablated else []
+    targets = list(TARGET_VARIANTS) if ablated else []
     seeds = len(methods) * (len(size.seeds) - 1)
     per_run, parallel = run_minutes(size), min(jobs, 2)
-    total = (len(tuning) + seeds + len(cliff)) * per_run / parallel
+    total = (len(tuning) + seeds + len(cliff) + len(targets)) * per_run / parallel
     return [
         f"converged real-model experiment: {size.model_config}, {size.layout.forget_rows} forget rows, "
         f"{size.unlearn_epochs} epochs (the first a warm-up), batch {size.unlearn_batch_size}",
@@ -738,6 +828,10 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool
         f"seeds {list(size.seeds[1:])} of each method's selected setting: {seeds} runs",
         f"PALU's utility cliff: {len(cliff)} runs at lr {cliff[0].learning_rate:g}:" if cliff else "",
         *(f"  {run.row}: {' '.join(run.extra[1:])}" for run in cliff),
+        f"the target ablation at PALU's selected setting, seed {size.seeds[0]}: {len(targets)} runs, c = "
+        + ", ".join(targets)
+        if targets
+        else "",
         f"estimated: {per_run:.0f} min per run beside another job; {total / 60:.1f} h wall at {parallel} "
         "jobs "
         "(plus Original and Retain if not cached: ~20 min)",
@@ -753,9 +847,10 @@ def write_report(
     cliff: Sequence[Curve],
     extra: Mapping,
     full: FullFinetuning | None = None,
+    targets: Sequence[Curve] = (),
 ) -> dict[str, Path]:
-    """converged.md, converged.json, curves.png and fronts.png; `full`: the LoRA report's full-finetuning
-    rows, compared with its own."""
+    """converged.md, converged.json, curves.png and fronts.png, and targets.png with `targets` (the target
+    ablation's runs); `full`: the LoRA report's full-finetuning rows, compared with its own."""
     original = references["Original"].metrics
     forget_rows = extra["forget_rows"]
     spreads = {name: aggregate([run]) for name, run in references.items()}
@@ -826,6 +921,14 @@ def write_report(
         )
         table, cliff_reading = cliff_table(base, cliff, original[UTILITY])
         markdown += ["## PALU's utility cliff", "", table, "", *(f"- {line}" for line in cliff_reading), ""]
+    target_reading: list[str] = []
+    if targets:
+        paths["targets.png"] = out_dir / "targets.png"
+        default = next(curve for curve in tuning if curve.run == selected["PALU"])
+        section, target_reading = target_section(
+            default, targets, references, original[UTILITY], paths["targets.png"]
+        )
+        markdown += ["## The paper's target ablation (its Figure 4, right)", "", *section]
     notes = list(extra["notes"])
     if not any(spread.get("fluency") for spread in spreads.values()):
         notes.append(
@@ -839,6 +942,7 @@ def write_report(
         "reading": lines,
         "fronts": fronts,
         "cliff": cliff_reading,
+        "targets": target_reading,
         "against_full_finetuning": full_reading,
         "rows": {n: {k: asdict(v) if v else None for k, v in s.items()} for n, s in spreads.items()},
         "selected": {method: run.name for method, run in selected.items()},
@@ -850,12 +954,12 @@ def write_report(
         },
         "points": [
             {"run": p.run.name, "row": p.run.row, "epoch": p.epoch, **p.metrics}
-            for curve in (*tuning, *cliff, *(c for cs in seeded.values() for c in cs))
+            for curve in (*tuning, *cliff, *targets, *(c for cs in seeded.values() for c in cs))
             for p in curve.points
         ],
         "terms": {
             curve.run.name: logged_terms(curve)
-            for curve in (*tuning, *cliff)
+            for curve in (*tuning, *cliff, *targets)
             if curve.run.method in PALU_FORMS
         },
         **{key: value for key, value in extra.items() if key not in ("notes", "baselines", "subject")},
@@ -872,8 +976,10 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
     commit = commit_of()
     tuning_list = tuning_runs(methods, size, lora)
     rows = list(dict.fromkeys(run.row for run in tuning_list))
-    cliff_list = cliff_runs(size) if "PALU" in methods and not lora else []
-    runs = len(tuning_list) + len(cliff_list) + len(methods) * (len(size.seeds) - 1)
+    ablated = "PALU" in methods and not lora  # the cliff study and the target ablation
+    cliff_list = cliff_runs(size) if ablated else []
+    targets_count = len(TARGET_VARIANTS) if ablated else 0
+    runs = len(tuning_list) + len(cliff_list) + targets_count + len(methods) * (len(size.seeds) - 1)
     stages = runs * (2 + len(evaluated_epochs(size.unlearn_epochs)))
     progress = start_run("tofu", "tofu", args.size, args.run_dir, stages)
     progress.say(f"commit {commit}")
@@ -913,10 +1019,12 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             selected[row] = chosen.run
             progress.say(f"selected {chosen.run.name}")
         more = seed_runs(selected, size.seeds)
-        later = run_all(pool, unlearn, [*more, *cliff_list])
+        target_list = target_runs(selected["PALU"]) if ablated else []
+        later = run_all(pool, unlearn, [*more, *cliff_list, *target_list])
     by_run = {curve.run: curve for curve in (*tuning, *later)}
     seeded = {row: [by_run[replace(run_, seed=s)] for s in size.seeds] for row, run_ in selected.items()}
     cliff = [by_run[run_] for run_ in cliff_list]
+    targets = [by_run[run_] for run_ in target_list]
     wall = time.monotonic() - progress.start
     notes = [
         *mini.notes,
@@ -975,7 +1083,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             "alone: `make converged` (the same options without LoRA=1) makes it, from the cache where it ran."
         )
     out_dir = args.run_dir / "lora" if lora else args.run_dir
-    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra, full)
+    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra, full, targets)
     return progress.finish(paths)
 
 

@@ -91,6 +91,10 @@ def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int
         utility = ORIGINAL_MU * max(0.0, 1 - 1.2 * share)
         if "trainer.method_args.local_loss_scale=reference" in overrides:
             utility = ORIGINAL_MU * (1 - 0.1 * share)
+    if "trainer.method_args.target=uniform" in overrides:  # "too strict": forgets more, keeps less
+        quality, utility = min(1.0, quality * 100), utility * 0.5
+    if "trainer.method_args.target=ref_mean" in overrides:
+        quality /= 2
     if any(part.startswith("trainer.args.seed=") and not part.endswith("=0") for part in overrides):
         quality *= 1.1
     return {
@@ -197,8 +201,9 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     converged.main(arguments)
     rows = len(converged.CONVERGED_ROWS)  # the five methods, PALU with c's gradient, PALU_release
     tuning, seeds, cliff = rows * 2 * len(SIZE.unlearn_learning_rates), rows * 2, len(CLIFF_VARIANTS)
-    assert len(framework.trained) == tuning + seeds + cliff
-    assert len(framework.evaluated) == (tuning + seeds + cliff) * 6  # epochs 1, 2, 4, 6, 8, then 10
+    targets = 3  # uniform, topk_mean, ref_mean; global_mean is PALU's selected run
+    assert len(framework.trained) == tuning + seeds + cliff + targets
+    assert len(framework.evaluated) == (tuning + seeds + cliff + targets) * 6  # epochs 1-8, then 10
     assert not list((out.parent / ".cache").glob("unlearn-*/checkpoint-*"))  # deleted once evaluated
     assert not list((out.parent / ".cache").glob("unlearn-*/model.safetensors"))
     summary = json.loads((out / "converged.json").read_text())
@@ -234,8 +239,21 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     cliff_lines = markdown.split("## PALU's utility cliff")[1].split("\n\n")[1].splitlines()
     cells = [len(line.replace("\\|", "").split("|")) for line in cliff_lines]
     assert len(cliff_lines) == 2 + 1 + len(CLIFF_VARIANTS) and set(cells) == {cells[0]}
+    # the target ablation at PALU's selected setting: its runs carry that setting and one target each
+    ablated = [o for o in framework.trained if any(p.startswith("trainer.method_args.target=") for p in o)]
+    selected_rate = "trainer.args.learning_rate=0.0001"
+    targets_run = {p for o in ablated if selected_rate in o for p in o if p.startswith("trainer.method_args.t")}
+    assert targets_run == {f"trainer.method_args.target={c}" for c in ("uniform", "topk_mean", "ref_mean")}
+    ranking, paper = summary["targets"]
+    assert ranking.startswith("Ranked by the best FQ at MU ≥ 80% of the Original's along the curve: ")
+    assert ranking.index("global_mean") < ranking.index("ref_mean") and "uniform (no point)" in ranking
+    assert paper == converged.PAPER_TARGET_READING
+    target_lines = markdown.split("## The paper's target ablation")[1].split("\n\n")[2].splitlines()
+    assert [line.split(" | ")[0] for line in target_lines[2:]] == [
+        "| uniform", "| topk_mean", "| ref_mean", "| global_mean (default)"
+    ]  # fmt: skip
     assert summary["commit"] and summary["stage_times_s"]
-    for plot in ("curves.png", "fronts.png"):
+    for plot in ("curves.png", "fronts.png", "targets.png"):
         assert (out / plot).stat().st_size > 10_000
     # a second run finds every stage cached: nothing trains or evaluates again, the report is the same
     trained, evaluated = len(framework.trained), len(framework.evaluated)
