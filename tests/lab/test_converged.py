@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from palu_lab import converged, miniature, real_model
+from palu_lab import converged, damage, miniature, real_model
 from palu_lab.converged import (
     CLIFF_VARIANTS,
     CONVERGED_KNOB_VALUES,
@@ -242,7 +242,9 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     # the target ablation at PALU's selected setting: its runs carry that setting and one target each
     ablated = [o for o in framework.trained if any(p.startswith("trainer.method_args.target=") for p in o)]
     selected_rate = "trainer.args.learning_rate=0.0001"
-    targets_run = {p for o in ablated if selected_rate in o for p in o if p.startswith("trainer.method_args.t")}
+    targets_run = {
+        p for o in ablated if selected_rate in o for p in o if p.startswith("trainer.method_args.t")
+    }
     assert targets_run == {f"trainer.method_args.target={c}" for c in ("uniform", "topk_mean", "ref_mean")}
     ranking, paper = summary["targets"]
     assert ranking.startswith("Ranked by the best FQ at MU ≥ 80% of the Original's along the curve: ")
@@ -385,3 +387,32 @@ def test_the_curve_metrics_delete_metrics_the_framework_evaluates():
         keys.add(first.removeprefix("# @package eval.tofu.metrics."))
     deleted = {override.removeprefix("~eval.tofu.metrics.") for override in CURVE_METRICS}
     assert deleted <= keys and {"forget_quality", "forget_Q_A_ROUGE", "model_utility"} <= keys - deleted
+
+
+def test_the_damage_command_makes_a_run_again_and_keeps_its_evaluated_epochs(
+    fake_experiment, tmp_path, monkeypatch
+):
+    """damage.py's `--converged-runs`: the archived runs keep no weights, so the named run trains again, in
+    a stage of its own, and every evaluated epoch's checkpoint is there to measure."""
+    framework, arguments, _ = fake_experiment
+    monkeypatch.setattr(miniature, "tofu_miniature", converged.tofu_miniature)  # the fake
+    name = "NPO_lr0.0001_beta0.1_seed0"
+    reference, data_dir, checkpoints = damage.converged_checkpoints([name], tmp_path, tmp_path, 1)
+    assert reference == tmp_path / "original" and data_dir == tmp_path / "data"  # the fake benchmark's
+    assert list(checkpoints) == [f"{name} epoch {epoch}" for epoch in (1, 2, 4, 6, 8, 10)]
+    assert len(framework.trained) == 1
+    trained = framework.trained[0]
+    assert "trainer=NPO" in trained and "trainer.args.learning_rate=0.0001" in trained
+    for label, path in checkpoints.items():
+        epoch = int(label.rsplit(" ", 1)[1])
+        state = json.loads((path / "trainer_state.json").read_text())
+        assert state.get("epoch", 10) == epoch and tmp_path / ".cache" in path.parents
+        assert (path / "model.safetensors").exists() or path.name.startswith("checkpoint-")
+    # the converged experiment's own stage of that run is another one: it trains it and deletes its weights
+    converged.main(arguments)
+
+    def command(overrides):  # without the stage's own folder
+        return [part for part in overrides if not part.startswith(("paths.output_dir=", "task_name="))]
+
+    assert sum(command(overrides) == command(trained) for overrides in framework.trained) == 2
+    assert all(path.exists() for path in checkpoints.values())
