@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
 
 
 TESTS = Path(__file__).resolve().parent
-STACK_INDEPENDENT = ("method", "perf", "lab", "test_docs.py", "test_layout.py")
+STACK_INDEPENDENT = ("method", "perf", "lab", "test_docs.py", "test_layout.py", "test_validation.py")
 
 
 def pytest_collection_modifyitems(items):

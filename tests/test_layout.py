@@ -15,11 +15,12 @@ LAB_DIR = Path(palu_lab.__file__).parent
 # Each layer may import itself and the layers listed for it; `experiments` sits on top of the plugin, and the
 # lab on top of everything.
 ALLOWED = {
-    "method": {"method"},
+    "validation": {"validation"},
+    "method": {"method", "validation"},
     "spans": {"spans"},
     "benchmarks": {"benchmarks", "spans"},
-    "framework": {"framework", "method", "spans", "benchmarks"},
-    "experiments": {"experiments", "framework", "method", "spans", "benchmarks"},
+    "framework": {"framework", "method", "validation", "spans", "benchmarks"},
+    "experiments": {"experiments", "framework", "method", "validation", "spans", "benchmarks"},
 }
 ALLOWED["lab"] = set(ALLOWED) | {"lab"}
 FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")

@@ -34,7 +34,7 @@ from palu_trainer.framework.training_arguments import (
 )
 from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
-from palu_trainer.method.validation import Alpha, Choice, Gamma, Number, Options
+from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options
 
 
 class BadInput(ValueError):

@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers.utils import ADAPTER_CONFIG_NAME
 
-from palu_trainer.method.validation import Checked, Integer, Number, Options
+from palu_trainer.validation import Checked, Integer, Number, Options
 
 logger = logging.getLogger(__name__)
 

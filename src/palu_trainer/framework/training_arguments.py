@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from pydantic import ConfigDict
 
-from palu_trainer.method.validation import Checked, Integer, Number, Options, did_you_mean
+from palu_trainer.validation import Checked, Integer, Number, Options, did_you_mean
 
 
 def transformers_choices() -> dict[str, list[str]]:

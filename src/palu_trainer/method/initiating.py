@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import ConfigDict, model_validator
 
-from palu_trainer.method.validation import Choice, Integer, Number, Options
+from palu_trainer.validation import Choice, Integer, Number, Options
 
 STRATEGIES = ("first_n", "all", "ratio", "random_n")
 # The experiment's options of the policy and the strategies that read them (any other strategy ignores it).

@@ -12,6 +12,16 @@ from palu_trainer.method.chunking import at_least_fp32
 KL_DIRECTIONS = ("ref_to_policy", "policy_to_ref")
 
 
+def _mean_over_rows(kernel, logits: torch.Tensor, *reference: torch.Tensor, indices=None) -> torch.Tensor:
+    """`kernel`'s per-row KL averaged over the C rows of `logits` (C, V), computed in fp32 or wider with the
+    reference's tensors cast alike; exactly 0 (fp32) when C == 0."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=torch.float32)
+    logits = at_least_fp32(logits)
+    top = () if indices is None else (indices.long(),)
+    return kernel.apply(logits, *top, *(tensor.to(logits.dtype) for tensor in reference)).mean()
+
+
 class _KLFromReference(torch.autograd.Function):
     """Per-row KL(P_ref ‖ softmax(z)) = Σ p·log p − Σ p·(z − logsumexp(z)).
 
@@ -54,13 +64,7 @@ def common_kl_loss(
     Returns:
         Scalar fp32; exactly 0 when C == 0.
     """
-    if logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=torch.float32)
-    logits = at_least_fp32(logits)
-    per_row = _KLFromReference.apply(
-        logits, reference_probs.to(logits.dtype), reference_neg_entropy.to(logits.dtype)
-    )
-    return per_row.mean()
+    return _mean_over_rows(_KLFromReference, logits, reference_probs, reference_neg_entropy)
 
 
 class _KLToReference(torch.autograd.Function):
@@ -95,10 +99,7 @@ def common_kl_to_reference_loss(logits: torch.Tensor, reference_log_probs: torch
     Returns:
         Scalar fp32 (float64 for float64 logits); exactly 0 when C == 0.
     """
-    if logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=torch.float32)
-    logits = at_least_fp32(logits)
-    return _KLToReference.apply(logits, reference_log_probs.to(logits.dtype)).mean()
+    return _mean_over_rows(_KLToReference, logits, reference_log_probs)
 
 
 def _softmax_and_tail(logits: torch.Tensor, indices: torch.Tensor):
@@ -159,11 +160,7 @@ def common_kl_loss_top_m(
     Returns:
         Scalar fp32; exactly 0 when C == 0. Equals `common_kl_loss` when m = V (see `_KLFromTopM`).
     """
-    if logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=torch.float32)
-    logits = at_least_fp32(logits)
-    cast = [t.to(logits.dtype) for t in (probs, tail_mass, neg_entropy)]
-    return _KLFromTopM.apply(logits, indices.long(), *cast).mean()
+    return _mean_over_rows(_KLFromTopM, logits, probs, tail_mass, neg_entropy, indices=indices)
 
 
 class _KLToTopM(torch.autograd.Function):
@@ -214,8 +211,4 @@ def common_kl_to_reference_top_m(
         Scalar fp32 (float64 for float64 logits); exactly 0 when C == 0. Equals
         `common_kl_to_reference_loss` when m = V (see `_KLToTopM`).
     """
-    if logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=torch.float32)
-    logits = at_least_fp32(logits)
-    cast = [t.to(logits.dtype) for t in (log_probs, log_tail_mass)]
-    return _KLToTopM.apply(logits, indices.long(), *cast).mean()
+    return _mean_over_rows(_KLToTopM, logits, log_probs, log_tail_mass, indices=indices)

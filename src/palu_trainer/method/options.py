@@ -10,7 +10,7 @@ from palu_trainer.method.kl import KL_DIRECTIONS
 from palu_trainer.method.local_loss import LOCAL_LOSS_SCALES, TARGETS, check_top_k
 from palu_trainer.method.objective import PALUObjective, check_kl_weight
 from palu_trainer.method.reference_cache import CACHE_DTYPES
-from palu_trainer.method.validation import Alpha, Checked, Choice, Gamma, Integer, Number, Options
+from palu_trainer.validation import Alpha, Checked, Choice, Gamma, Integer, Number, Options
 
 RETAIN_LOSS_TYPES = ("NLL", "KL", "none")
 STOCK_RETAIN_LOSS_TYPES = ("NLL", "KL")  # what the framework's GradDiff computes

@@ -18,8 +18,17 @@ logger = logging.getLogger(__name__)
 
 
 class GuardedGradDiff(GradDiff):
+    options_type: type  # the trainer's `trainer.method_args` (PALUOptions, TPOOptions): `self.options`
+
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        self.options = options = self.options_type.take(kwargs)
+        super().__init__(
+            *args,
+            gamma=options.gamma,
+            alpha=options.alpha,
+            retain_loss_type=options.retain_loss_type,
+            **kwargs,
+        )
         # The loss is a mean over each micro-batch: the Trainer divides it by the accumulation steps itself
         # (transformers >= 4.46 skips that for models that take loss kwargs, expecting num_items_in_batch).
         self.model_accepts_loss_kwargs = False

@@ -47,15 +47,8 @@ class PALUTrainer(GuardedGradDiff):
     options_type = PALUOptions
 
     def __init__(self, *args, **kwargs):
-        options = PALUOptions.take(kwargs)
-        super().__init__(
-            *args,
-            gamma=options.gamma,
-            alpha=options.alpha,
-            retain_loss_type=options.retain_loss_type,
-            **kwargs,
-        )
-        self.options = options
+        super().__init__(*args, **kwargs)
+        options = self.options
         if options.log_term_gradient_norms and self.is_deepspeed_enabled:
             raise ValueError(
                 "method_args.log_term_gradient_norms=true reads each term's gradient from the parameters, "

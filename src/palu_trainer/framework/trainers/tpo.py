@@ -21,15 +21,8 @@ class TPOTrainer(GuardedGradDiff):
     options_type = TPOOptions
 
     def __init__(self, *args, **kwargs):
-        options = TPOOptions.take(kwargs)
-        self.beta = options.beta
-        super().__init__(
-            *args,
-            gamma=options.gamma,
-            alpha=options.alpha,
-            retain_loss_type=options.retain_loss_type,
-            **kwargs,
-        )
+        super().__init__(*args, **kwargs)
+        self.beta = self.options.beta
         require_token_roles(self, "TPO", "experiment=unlearn/tofu/tpo")
         if self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from palu_trainer.method.validation import Choice, Integer, Number, Options
+from palu_trainer.validation import Choice, Integer, Number, Options
 
 
 class Example(Options):
