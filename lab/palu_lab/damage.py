@@ -88,21 +88,47 @@ def answer_logits(model, item: dict) -> torch.Tensor:
     return outputs.logits[0].float()
 
 
-def set_damage(model, reference, dataset: QAwithSpansDataset) -> SetDamage:
-    """`model` against `reference` on every row of `dataset` (see the module's docstring)."""
-    kl_by_role: dict[TokenRole, list[torch.Tensor]] = {role: [] for role in ROLES}
-    shifts = []
+@dataclass(frozen=True)
+class ReferenceAnswers:
+    """The reference on one set, computed once for every model measured against it: per row, the answer
+    positions by role (`ROLES`' order), and at them the reference's log-probabilities (A, V) and mean logit
+    (A,)."""
+
+    positions: list[dict[TokenRole, torch.Tensor]]
+    log_probs: list[torch.Tensor]
+    mean_logits: list[torch.Tensor]
+
+
+def answered(positions: dict[TokenRole, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([positions[role] for role in ROLES])
+
+
+def reference_answers(reference, dataset: QAwithSpansDataset) -> ReferenceAnswers:
+    positions, log_probs, mean_logits = [], [], []
     for index in range(len(dataset)):
         item = dataset[index]
-        logits, reference_logits = answer_logits(model, item), answer_logits(reference, item)
-        kl = torch.nn.functional.kl_div(
-            logits.log_softmax(-1), reference_logits.log_softmax(-1), log_target=True, reduction="none"
-        ).sum(-1)
         roles = item["token_roles"][None]
+        positions.append({role: predicting_rows(roles, role) for role in ROLES})
+        logits = answer_logits(reference, item)[answered(positions[-1])]
+        log_probs.append(logits.log_softmax(-1))
+        mean_logits.append(logits.mean(-1))
+    return ReferenceAnswers(positions, log_probs, mean_logits)
+
+
+def set_damage(model, reference: ReferenceAnswers, dataset: QAwithSpansDataset) -> SetDamage:
+    """`model` against the reference's answers on every row of `dataset` (see the module's docstring)."""
+    kl_by_role: dict[TokenRole, list[torch.Tensor]] = {role: [] for role in ROLES}
+    shifts = []
+    for index, positions in enumerate(reference.positions):
+        logits = answer_logits(model, dataset[index])[answered(positions)]
+        kl = torch.nn.functional.kl_div(
+            logits.log_softmax(-1), reference.log_probs[index], log_target=True, reduction="none"
+        ).sum(-1)
+        start = 0
         for role in ROLES:
-            kl_by_role[role].append(kl[predicting_rows(roles, role)])
-        answered = torch.cat([predicting_rows(roles, role) for role in ROLES])
-        shifts.append((logits.mean(-1) - reference_logits.mean(-1))[answered])
+            kl_by_role[role].append(kl[start : start + len(positions[role])])
+            start += len(positions[role])
+        shifts.append(logits.mean(-1) - reference.mean_logits[index])
     by_role = {role: torch.cat(values) for role, values in kl_by_role.items()}
     every = torch.cat(list(by_role.values()))
     shift = torch.cat(shifts)
@@ -133,11 +159,13 @@ def measure(
             name: annotated_dataset(data_dir, name, rows, tokenizer, template_args, Path(spans_dir))
             for name in UTILITY_SETS
         }
+        answers = {name: reference_answers(reference, dataset) for name, dataset in datasets.items()}
+        del reference
         damage = {}
         for label, model_dir in models.items():
             model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
             damage[label] = {
-                name: set_damage(model, reference, dataset) for name, dataset in datasets.items()
+                name: set_damage(model, answers[name], dataset) for name, dataset in datasets.items()
             }
     return damage
 

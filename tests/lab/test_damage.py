@@ -63,7 +63,7 @@ def test_a_shift_of_every_logit_is_a_shift_not_a_divergence(tiny_model_dir, tofu
     dataset = damage.annotated_dataset(
         tofu_dir, "world_facts_perturbed", 5, tokenizer, template_args, tmp_path
     )
-    figures = damage.set_damage(model, reference, dataset)
+    figures = damage.set_damage(model, damage.reference_answers(reference, dataset), dataset)
     assert figures.rows == 5 and figures.all_tokens.tokens > 5
     assert figures.mean_logit_shift == pytest.approx(2.5, abs=1e-4)
     assert figures.mean_absolute_logit_shift == pytest.approx(2.5, abs=1e-4)
