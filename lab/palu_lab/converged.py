@@ -103,8 +103,14 @@ CONVERGED_ROWS = (*REAL_MODEL_METHODS, *FORM_ROWS, "PALU_release")
 # only collapse sooner and waits for the rest (`RUN_LAST_RATES`); at 1e-5 the c-gradient forms kept 91% of
 # Original's MU at epoch 4 and lost it by epoch 6, so the second knob value (more KL or retain weight) starts
 # there, where it can still answer whether c's gradient keeps utility.
-RUN_ORDER_RATES = (1e-5, 3e-5, 1e-4, 3e-4)
+RUN_ORDER_RATES = (3e-6, 1e-5, 3e-5, 1e-4, 3e-4)
 RUN_LAST_RATES = (3e-4,)
+# Issue 59 read the new rows' fronts after about 10 of its 12 machine-hours of tuning: both c-gradient forms
+# lose MU at every rate of the grid before FQ moves (at 1e-5 MU 0.344 with FQ still the Original's at epoch 4,
+# 0.12-0.15 at epoch 6; at 3e-5 by epoch 2), so the grid misses their useful range on the low side. It extends
+# one step down, 3e-6, for both forms alike (the detached form barely moves at 1e-5 already). The converged
+# size only: the FAST smoke run and the LoRA rows keep their grids.
+EXTENDED_RATES: dict[str, tuple[float, ...]] = {"PALU_cgrad": (3e-6,), "PALU_release": (3e-6,)}
 CLIFF_LEARNING_RATE = 3e-5  # the pilot's: PALU reaches FQ 0.27 there and its MU falls to 0
 # The cliff study's variants of PALU (seed 0, λ 1 unless changed): the paper's knobs across and beyond its
 # grid, then the scale-free local loss. The unchanged setting is the tuning run at the same rate.
@@ -234,8 +240,14 @@ def tuning_runs(rows: Sequence[str], size: RealTofuSize, lora: bool = False) -> 
             {**adapters[0], **params, **form}, (*adapters[1], *form_overrides, *extra))
         for row in rows
         for method, form, form_overrides in [row_method(row)]
-        for rate, params, extra in knob_grid(method, learning_rates(size, lora))
+        for rate, params, extra in knob_grid(method, row_rates(row, size, lora))
     ]  # fmt: skip
+
+
+def row_rates(row: str, size: RealTofuSize, lora: bool = False) -> tuple[float, ...]:
+    """The row's learning rates: the grid's, and `EXTENDED_RATES` below it at the converged size."""
+    extended = EXTENDED_RATES.get(row, ()) if size is CONVERGED and not lora else ()
+    return (*extended, *learning_rates(size, lora))
 
 
 def run_order(runs: Sequence[Run]) -> list[Run]:

@@ -44,8 +44,12 @@ def test_the_plan_is_the_issues_protocol():
     assert SIZE.unlearn_epochs == 10 and len(SIZE.unlearn_learning_rates) >= 3
     for method in CONVERGED_KNOB_VALUES:
         rates = sorted({run.learning_rate for run in runs if run.method == method})
-        assert rates == sorted(SIZE.unlearn_learning_rates)
+        assert rates == sorted({*SIZE.unlearn_learning_rates, *converged.EXTENDED_RATES.get(method, ())})
         assert sum(run.method == method for run in runs) == 2 * len(rates)
+    cgrad = {run.learning_rate for run in tuning_runs(["PALU_cgrad"], SIZE)}
+    assert cgrad == {3e-6, *SIZE.unlearn_learning_rates}
+    fast = {run.learning_rate for run in tuning_runs(["PALU_cgrad"], FAST)}
+    assert fast == set(FAST.unlearn_learning_rates)
     cliff = cliff_runs(SIZE)
     assert {run.learning_rate for run in cliff} == {3e-5} and len(cliff) == len(CLIFF_VARIANTS)
     assert all("trainer.method_args.kl_weight=1.0" in run.extra for run in cliff)
@@ -82,7 +86,7 @@ def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int
         method = "PALU-LoRA" if method == "PALU" else method
     if "trainer.method_args.target_gradient=true" in overrides:  # issue 59's form: no cliff
         method = "PALU-c-gradient"
-    strength = {1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0, 3e-4: 2.0}[round(learning_rate, 12)]
+    strength = {3e-6: 0.03, 1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0, 3e-4: 2.0}[round(learning_rate, 12)]
     base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6, "PALU-LoRA": 0.3,
             "PALU-c-gradient": 0.5, "PALU_release": 0.45}[method]  # fmt: skip
     quality = min(1.0, 1e-4 * 10 ** (4 * base * strength * share))
@@ -200,7 +204,14 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     framework, arguments, out = fake_experiment
     converged.main(arguments)
     rows = len(converged.CONVERGED_ROWS)  # the five methods, PALU with c's gradient, PALU_release
-    tuning, seeds, cliff = rows * 2 * len(SIZE.unlearn_learning_rates), rows * 2, len(CLIFF_VARIANTS)
+    extended = 2 * sum(
+        len(rates) for rates in converged.EXTENDED_RATES.values()
+    )  # 3e-6 for the c-gradient rows
+    tuning, seeds, cliff = (
+        rows * 2 * len(SIZE.unlearn_learning_rates) + extended,
+        rows * 2,
+        len(CLIFF_VARIANTS),
+    )
     targets = 3  # uniform, topk_mean, ref_mean; global_mean is PALU's selected run
     assert len(framework.trained) == tuning + seeds + cliff + targets
     assert len(framework.evaluated) == (tuning + seeds + cliff + targets) * 6  # epochs 1-8, then 10
@@ -213,14 +224,17 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
     assert summary["selected"]["PALU_cgrad"] == "PALU_lr0.0001_lambda1_c-gradient_seed0"
     assert summary["selected"]["PALU_release"] == "PALU_release_lr0.0001_alpha1_seed0"
-    # the new rows' runs in the pool's order: each knob value at 1e-5, 3e-5, 1e-4, and 3e-4 after them all
+    # the new rows' runs in the pool's order: each knob value at 3e-6 (the extension), 1e-5, 3e-5, 1e-4, and
+    # 3e-4 after them all
     new = [
         next(part for part in overrides if part.startswith("trainer.args.learning_rate="))
         for overrides in framework.trained
         if "trainer=PALU_release" in overrides or any("target_gradient" in part for part in overrides)
     ]
-    knob_value = [f"trainer.args.learning_rate={rate}" for rate in ("1e-05", "3e-05", "0.0001") for _ in "ab"]
-    assert new[:16] == 2 * knob_value + ["trainer.args.learning_rate=0.0003"] * 4
+    knob_value = [
+        f"trainer.args.learning_rate={rate}" for rate in ("3e-06", "1e-05", "3e-05", "0.0001") for _ in "ab"
+    ]
+    assert new[:20] == 2 * knob_value + ["trainer.args.learning_rate=0.0003"] * 4
     palu = summary["rows"]["PALU"]["forget_quality"]
     assert palu["seeds"] == 3 and palu["high"] == pytest.approx(palu["low"] * 1.1)
     assert summary["reading"][0].startswith("PALU beats")
