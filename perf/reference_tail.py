@@ -41,9 +41,9 @@ from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_i
 from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.method.chunking import at_least_fp32
 from palu_trainer.method.kl import _KLFromReference, _KLFromTopM
-from palu_trainer.method.positions import at_forget_positions
 from palu_trainer.method.reference import common_fields, reference_targets
 from palu_trainer.method.reference_cache import build_reference_cache, describe, estimated_nbytes
+from palu_trainer.method.roles import at_forget_positions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import smollm2_dir  # noqa: E402

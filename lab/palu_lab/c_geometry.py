@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from palu_trainer.framework.checkout import CONFIG_DIR
 from palu_trainer.framework.datasets import QAwithSpansDataset
 from palu_trainer.method.local_loss import local_entropy_loss, resolve_top_k
-from palu_trainer.method.positions import at_forget_positions
+from palu_trainer.method.roles import at_forget_positions
 
 TOP_K = 0.15625  # configs/trainer/PALU.yaml's share of |V| (the paper's 5000 of 32000)
 

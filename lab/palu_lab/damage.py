@@ -32,8 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from palu_lab import converged, miniature
 from palu_trainer.framework.checkout import CONFIG_DIR, PROJECT_ROOT
 from palu_trainer.framework.datasets import QAwithSpansDataset
-from palu_trainer.method.positions import predicting_rows
-from palu_trainer.method.roles import TokenRole
+from palu_trainer.method.roles import TokenRole, predicting_rows
 from palu_trainer.spans.annotator import Background, annotate
 from palu_trainer.spans.format import write_annotations
 

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from palu_trainer.framework.launch import shared_memory_op_dir, write_accelerate_config
 from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
-from palu_trainer.method.positions import label_positions
 from palu_trainer.method.reference_cache import count_positions
+from palu_trainer.method.roles import label_positions
 from palu_trainer.spans.format import write_annotations
 from palu_trainer.spans.tpo_spans import read_tpo
 

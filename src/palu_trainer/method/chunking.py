@@ -17,18 +17,16 @@ def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-def identity(states: torch.Tensor) -> torch.Tensor:
-    """The projection of states that already are logits (a model whose logits PALU cannot recompute)."""
-    return states
+def logits_of(states: torch.Tensor, project: Callable | None) -> torch.Tensor:
+    """`project(states)` in fp32 or wider; None: the states already are logits (a model whose logits PALU
+    cannot recompute)."""
+    return at_least_fp32(project(states) if project else states)
 
 
 @dataclass(frozen=True)
 class ProjectionCalls:
-    """How one step's losses call the output projection: what ZeRO-3 needs of them, in one object.
-
-    initiating, common, retain: the calls each loss makes (`mean_over_chunks`' num_chunks); None: as many
-    as its rows need. recompute: `mean_over_chunks`' recompute (False under ZeRO-3).
-    """
+    """How often each loss of one step calls the output projection (`mean_over_chunks`' num_chunks; None:
+    as its rows need) and its recompute (False under ZeRO-3): what ZeRO-3 needs of them, in one object."""
 
     initiating: int | None = None
     common: int | None = None
@@ -57,29 +55,22 @@ def mean_over_chunks(
     num_chunks: int | None = None,
     recompute: bool = True,
 ) -> torch.Tensor:
-    """A mean-over-rows loss of the logits `project(states)` (N, V), never holding more than `chunk_rows`
-    rows of logits: each chunk's projection and loss run under activation checkpointing (recomputed in
-    the backward pass), weighted by its share of rows.
+    """`row_loss(project(states), slice(None))`, never holding more than `chunk_rows` rows of logits: each
+    chunk's projection and loss run under activation checkpointing, weighted by its share of rows; exactly
+    0 when N == 0.
 
     Args:
-        states: (N, d) hidden states of the rows. project: (n, d) -> (n, V); None: `states` are the
-            logits (N, V) themselves.
-        row_loss: (logits (n, V), rows: slice) -> the mean of the loss over those rows (scalar); also
-            called on a padding chunk's zero rows (with whatever reference projection it makes), where it
-            must return 0.
-        chunk_rows: rows per chunk (see `logit_chunk_rows`); None: one chunk.
+        states: (N, d) hidden states of the rows. project: (n, d) -> (n, V); None: `states` are logits.
+        row_loss: (logits (n, V), rows: slice) -> the mean loss over those rows; also called on a padding
+            chunk's zero rows (with whatever reference projection it makes), where it must return 0.
+        chunk_rows: rows per chunk (`logit_chunk_rows`); None: one chunk.
         num_chunks: call `project` exactly this many times, forward and backward alike (at least
-            `chunk_count(N, chunk_rows)`): the chunks past the rows project zero rows and add exactly 0.
-            Under ZeRO-3 each call of the partitioned projection is a collective, so every rank must make
-            as many as the others; None: as many as the rows need.
-        recompute: False keeps each chunk's activations for the backward instead of recomputing them:
-            under ZeRO-3, where a recompute inside the backward gathers and releases the projection's
-            parameters around ZeRO-3's own backward gathering of them, which breaks the step.
-
-    Returns:
-        Scalar, equal to `row_loss(project(states), slice(None))`; exactly 0 when N == 0.
+            `chunk_count(N, chunk_rows)`; the chunks past the rows add exactly 0): under ZeRO-3 each call
+            of the partitioned projection is a collective, so every rank must make as many as the others.
+        recompute: False keeps each chunk's activations for the backward: under ZeRO-3 a recompute inside
+            the backward gathers and releases the projection's parameters around ZeRO-3's own backward
+            gathering of them, which breaks the step.
     """
-    project = project or identity
     total = states.shape[0]
     chunk_rows = chunk_rows or max(total, 1)
     needed = chunk_count(total, chunk_rows)
@@ -91,13 +82,13 @@ def mean_over_chunks(
 
     def chunk_loss(chunk_states, rows):
         if rows.start < rows.stop:
-            return row_loss(at_least_fp32(project(chunk_states)), rows)
+            return row_loss(logits_of(chunk_states, project), rows)
         # A padding chunk adds exactly 0 through the projection, so that its parameters are gathered and
         # get their (zero) gradient as on every other rank. It projects one zero row, not none: ZeRO-3
         # gathers a module for its backward only when its output has elements and needs a gradient, which
         # a frozen projection's (LoRA) gives only through its input: the row is the sum of no rows, so it
         # stays in the states' graph.
-        padding = at_least_fp32(project(chunk_states.sum(0, keepdim=True)))
+        padding = logits_of(chunk_states.sum(0, keepdim=True), project)
         return row_loss(padding[:0], rows) + 0.0 * padding.sum()
 
     parts = []

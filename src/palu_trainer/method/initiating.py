@@ -1,9 +1,4 @@
-"""Which tokens of a sensitive span are initiating (local entropy loss); the rest are redundant.
-
-The paper's strategies: the first N tokens of each span (its default), all of them, a prefix that is a share
-of the span, and N random tokens. The released code also merges spans with no token between them into one
-run before taking the first N.
-"""
+"""Which tokens of a sensitive span are initiating (local entropy loss); the rest are redundant."""
 
 import math
 import random
@@ -15,22 +10,22 @@ from pydantic import ConfigDict, model_validator
 from palu_trainer.validation import Choice, Integer, Number, Options
 
 STRATEGIES = ("first_n", "all", "ratio", "random_n")
-# The experiment's options of the policy and the strategies that read them (any other strategy ignores it).
-OPTION_READERS = {
-    "num_initiating_tokens": ("first_n", "random_n"),
-    "initiating_ratio": ("ratio",),
-    "initiating_seed": ("random_n",),
+# The experiment's options of the policy: the policy's field each sets and the strategies that read it (any
+# other strategy ignores it).
+POLICY_OPTIONS = {
+    "num_initiating_tokens": ("num_tokens", ("first_n", "random_n")),
+    "initiating_ratio": ("ratio", ("ratio",)),
+    "initiating_seed": ("seed", ("random_n",)),
 }
 
 
 @dataclass(frozen=True)
 class InitiatingPolicy:
-    """Which of a span's tokens initiate it.
+    """Which of a span's tokens initiate it (the paper's strategies).
 
-    num_tokens: N, for `first_n` (the first N tokens) and `random_n` (N positions drawn per span).
-    strategy: `first_n`, `all` (every span token), `ratio` (the first ceil(ratio x span length) tokens) or
-        `random_n`.
-    ratio: p in (0, 1], for `ratio`.
+    strategy: `first_n` (the first N tokens, the paper's default), `all`, `ratio` (the first
+        ceil(ratio x span length) tokens) or `random_n` (N positions drawn per span).
+    num_tokens: N. ratio: p in (0, 1].
     seed: for `random_n`: each span's draw depends only on (seed, row, span), so it is the same in every run
         and process, whatever else used the random number generators.
     merge_adjacent_spans: spans whose tokens follow each other with no token between them (separated by
@@ -58,10 +53,8 @@ class InitiatingPolicy:
         return f"initiating: {chosen} of each span{merged}"
 
     def initiating_ranks(self, span_tokens: int, row: int = 0, span: int = 0) -> list[int]:
-        """Ranks (0 = the span's first token) of the initiating tokens in a span of `span_tokens` tokens.
-
-        `row` and `span` (the dataset row's index and the span's rank in it) seed `random_n`.
-        """
+        """Ranks (0 = the span's first token) of the initiating tokens in a span of `span_tokens` tokens;
+        `row` and `span` (the dataset row's index and the span's rank in it) seed `random_n`."""
         if self.strategy == "all":
             return list(range(span_tokens))
         if self.strategy == "ratio":
@@ -72,27 +65,20 @@ class InitiatingPolicy:
             return sorted(random.Random(f"{self.seed}/{row}/{span}").sample(range(span_tokens), count))
         return list(range(count))
 
-    def group_spans(self, span_positions: Sequence[list[int]]) -> list[list[int]]:
-        """The token positions of each span as the policy sees them: merged when adjacent, if asked.
-
-        Args:
-            span_positions: per span, in order, the sorted token positions it covers (possibly none).
-        """
-        if not self.merge_adjacent_spans:
-            return [list(positions) for positions in span_positions]
-        groups: list[list[int]] = []
-        for positions in filter(None, span_positions):
-            if groups and positions[0] <= groups[-1][-1] + 1:
-                groups[-1].extend(p for p in positions if p > groups[-1][-1])
-            else:
-                groups.append(list(positions))
-        return groups
-
     def initiating_positions(self, span_positions: Sequence[list[int]], row: int = 0) -> list[int]:
-        """Token positions that initiate, given each span's token positions (see `group_spans`)."""
+        """Token positions that initiate, given per span, in order, the sorted token positions it covers
+        (possibly none); adjacent spans merged first if asked."""
+        groups = [list(positions) for positions in span_positions]
+        if self.merge_adjacent_spans:
+            groups = []
+            for positions in filter(None, span_positions):
+                if groups and positions[0] <= groups[-1][-1] + 1:
+                    groups[-1].extend(p for p in positions if p > groups[-1][-1])
+                else:
+                    groups.append(list(positions))
         return [
             positions[rank]
-            for span, positions in enumerate(self.group_spans(span_positions))
+            for span, positions in enumerate(groups)
             for rank in self.initiating_ranks(len(positions), row, span)
         ]
 
@@ -102,7 +88,7 @@ class InitiatingOptions(Options):
 
     None is unset (the policy's default: N=3, ratio 0.5, seed 0). An option the strategy does not read must
     stay unset: `initiating_ratio=0.25` with `first_n`, or `num_initiating_tokens=1` with `all`, would
-    otherwise be dropped without a word (`OPTION_READERS`).
+    otherwise be dropped without a word (`POLICY_OPTIONS`).
     """
 
     model_config = ConfigDict(extra="ignore")  # the dataset's other arguments
@@ -116,7 +102,7 @@ class InitiatingOptions(Options):
 
     @model_validator(mode="after")
     def strategy_reads_every_option_set(self):
-        for option, readers in OPTION_READERS.items():
+        for option, (_, readers) in POLICY_OPTIONS.items():
             value = getattr(self, option)
             if value is not None and self.initiating_strategy not in readers:
                 raise ValueError(
@@ -127,11 +113,7 @@ class InitiatingOptions(Options):
         return self
 
     def policy(self) -> InitiatingPolicy:
-        chosen = {
-            "num_tokens": self.num_initiating_tokens,
-            "ratio": self.initiating_ratio,
-            "seed": self.initiating_seed,
-        }
+        chosen = {field: getattr(self, option) for option, (field, _) in POLICY_OPTIONS.items()}
         return InitiatingPolicy(
             strategy=self.initiating_strategy,
             merge_adjacent_spans=self.merge_adjacent_spans,

@@ -2,7 +2,8 @@
 directions, with P_ref over all of V (dense) or as its m most probable entries and one tail bucket (top-m).
 
 Four autograd kernels, each keeping the fewest (C, V) tensors its backward needs. Shapes: C common
-positions, V vocabulary, m kept entries. Every reduction runs in fp32 or wider; no position gives exactly 0.
+positions, V vocabulary, m kept entries. Each loss is a scalar in fp32 or wider (the logits' dtype, at least
+fp32; the reference's tensors cast alike), exactly 0 for no position.
 """
 
 import torch
@@ -13,8 +14,7 @@ KL_DIRECTIONS = ("ref_to_policy", "policy_to_ref")
 
 
 def _mean_over_rows(kernel, logits: torch.Tensor, *reference: torch.Tensor, indices=None) -> torch.Tensor:
-    """`kernel`'s per-row KL averaged over the C rows of `logits` (C, V), computed in fp32 or wider with the
-    reference's tensors cast alike; exactly 0 (fp32) when C == 0."""
+    """`kernel`'s per-row KL averaged over the C rows of `logits` (C, V)."""
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
     logits = at_least_fp32(logits)
@@ -54,16 +54,8 @@ class _KLFromReference(torch.autograd.Function):
 def common_kl_loss(
     logits: torch.Tensor, reference_probs: torch.Tensor, reference_neg_entropy: torch.Tensor
 ) -> torch.Tensor:
-    """Mean over common positions of KL(P_ref ‖ P_θ).
-
-    Args:
-        logits: (C, V) current-model logits at the common positions.
-        reference_probs: (C, V) P_ref there (any float dtype; used in fp32).
-        reference_neg_entropy: (C,) Σ P_ref·log P_ref there.
-
-    Returns:
-        Scalar fp32; exactly 0 when C == 0.
-    """
+    """Mean over common positions of KL(P_ref ‖ P_θ): logits (C, V) the current model's there,
+    reference_probs (C, V) P_ref (any float dtype), reference_neg_entropy (C,) Σ P_ref·log P_ref."""
     return _mean_over_rows(_KLFromReference, logits, reference_probs, reference_neg_entropy)
 
 
@@ -90,28 +82,9 @@ class _KLToReference(torch.autograd.Function):
 
 
 def common_kl_to_reference_loss(logits: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
-    """Mean over common positions of KL(P_θ ‖ P_ref), the released code's direction.
-
-    Args:
-        logits: (C, V) current-model logits at the common positions.
-        reference_log_probs: (C, V) log P_ref there (any float dtype; used in fp32 or wider).
-
-    Returns:
-        Scalar fp32 (float64 for float64 logits); exactly 0 when C == 0.
-    """
+    """Mean over common positions of KL(P_θ ‖ P_ref), the released code's direction: logits (C, V) the
+    current model's there, reference_log_probs (C, V) log P_ref (any float dtype)."""
     return _mean_over_rows(_KLToReference, logits, reference_log_probs)
-
-
-def _softmax_and_tail(logits: torch.Tensor, indices: torch.Tensor):
-    """softmax(z) (C, V), log Σ_j e^{z_j} (C,), and the current model's mass outside `indices` (C,) summed
-    from the tail's own entries (1 − Σ top cancels to 0 for a small tail)."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    softmax = (logits - row_max).exp_()
-    normalizer = softmax.sum(dim=-1, keepdim=True)
-    softmax.div_(normalizer)
-    log_normalizer = (row_max + normalizer.log()).squeeze(-1)
-    tail = softmax.scatter(-1, indices, 0.0).sum(dim=-1)
-    return softmax, log_normalizer, tail
 
 
 class _KLFromTopM(torch.autograd.Function):
@@ -127,7 +100,13 @@ class _KLFromTopM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, indices, probs, tail_mass, neg_entropy):
-        softmax, log_normalizer, current_tail = _softmax_and_tail(logits, indices)
+        row_max = logits.amax(dim=-1, keepdim=True)
+        softmax = (logits - row_max).exp_()
+        normalizer = softmax.sum(dim=-1, keepdim=True)
+        softmax.div_(normalizer)
+        log_normalizer = (row_max + normalizer.log()).squeeze(-1)
+        # Q from the tail's own entries: 1 − Σ top would cancel to 0 for a small tail
+        current_tail = softmax.scatter(-1, indices, 0.0).sum(dim=-1)
         # log q_i on the m entries, not z_i with logsumexp(z) weighted by 1 − r: see `_KLFromReference`
         cross = (probs * (logits.gather(-1, indices) - log_normalizer.unsqueeze(-1))).sum(dim=-1)
         current_tail = current_tail.clamp_min(torch.finfo(logits.dtype).tiny)
@@ -150,15 +129,9 @@ def common_kl_loss_top_m(
     tail_mass: torch.Tensor,
     neg_entropy: torch.Tensor,
 ) -> torch.Tensor:
-    """Mean over common positions of KL(P̃_ref ‖ P̃_θ), P_ref kept as its top-m entries and a tail bucket.
-
-    Args:
-        logits: (C, V) current-model logits at the common positions.
-        indices: (C, m) int64 the reference's m most probable entries; probs: (C, m) their P_ref.
-        tail_mass: (C,) r, P_ref's mass outside them. neg_entropy: (C,) Σ_top p·log p + r·log r.
-
-    Returns:
-        Scalar fp32; exactly 0 when C == 0. Equals `common_kl_loss` when m = V (see `_KLFromTopM`).
+    """Mean over common positions of KL(P̃_ref ‖ P̃_θ), P_ref kept as its top-m entries and a tail bucket
+    (`common_kl_loss` when m = V): logits (C, V); indices (C, m) int64, the reference's m most probable
+    entries; probs (C, m) their P_ref; tail_mass (C,) r, the rest; neg_entropy (C,) Σ_top p·log p + r·log r.
     """
     return _mean_over_rows(_KLFromTopM, logits, probs, tail_mass, neg_entropy, indices=indices)
 
@@ -200,15 +173,8 @@ class _KLToTopM(torch.autograd.Function):
 def common_kl_to_reference_top_m(
     logits: torch.Tensor, indices: torch.Tensor, log_probs: torch.Tensor, log_tail_mass: torch.Tensor
 ) -> torch.Tensor:
-    """Mean over common positions of KL(P̃_θ ‖ P̃_ref), P_ref kept as its top-m entries and a tail bucket.
-
-    Args:
-        logits: (C, V) current-model logits at the common positions.
-        indices: (C, m) int64 the reference's m most probable entries; log_probs: (C, m) their log P_ref.
-        log_tail_mass: (C,) log r, r P_ref's mass outside them (-inf when m = V).
-
-    Returns:
-        Scalar fp32 (float64 for float64 logits); exactly 0 when C == 0. Equals
-        `common_kl_to_reference_loss` when m = V (see `_KLToTopM`).
+    """Mean over common positions of KL(P̃_θ ‖ P̃_ref), P_ref kept as its top-m entries and a tail bucket
+    (`common_kl_to_reference_loss` when m = V): logits (C, V); indices (C, m) int64, the reference's m most
+    probable entries; log_probs (C, m) their log P_ref; log_tail_mass (C,) log r, the rest (-inf when m = V).
     """
     return _mean_over_rows(_KLToTopM, logits, log_probs, log_tail_mass, indices=indices)

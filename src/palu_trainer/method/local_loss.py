@@ -1,8 +1,5 @@
 """PALU's local entropy loss at initiating positions, and K (the reference's top-K it flattens) resolved
-against a vocabulary.
-
-Shapes: M initiating positions, V vocabulary, K reference top-K. Reductions in fp32 or wider.
-"""
+against a vocabulary. Shapes: M initiating positions, V vocabulary, K reference top-K."""
 
 import logging
 import math
@@ -32,12 +29,8 @@ def check_top_k(top_k):
 
 
 def resolve_top_k(top_k, vocab_size: int) -> int:
-    """K as used, from `top_k`: a positive integer (capped at |V|), `all` (|V|) or a float share of |V|.
-
-    A share p in (0, 1] gives K = round(p·|V|) (at least 1): 0.15625 is the paper's K=5000 on Llama-2's
-    32000 tokens. The resolved K is logged; K = |V| warns that the local loss then flattens the whole
-    vocabulary (a PDU-like objective), not a top-K.
-    """
+    """K as used, logged: `top_k` capped at |V|, |V| for `all`, round(p·|V|) (at least 1) for a share p
+    (0.15625 is the paper's K=5000 on Llama-2's 32000 tokens). K = |V| warns."""
     if top_k == "all":
         k = vocab_size
     elif isinstance(top_k, int):
@@ -67,7 +60,8 @@ def local_entropy_loss(
     target_gradient: bool = False,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)² (divided by `scale` per position).
+    """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)² (divided by `scale` per position);
+    a scalar in fp32 or wider, exactly 0 when M == 0.
 
     Args:
         logits: (M, V) current-model logits at the initiating positions.
@@ -83,9 +77,6 @@ def local_entropy_loss(
             logit it is computed from.
         scale: None (the paper) or (M,) positive divisors of each position's loss (the reference's
             `topk_spread`: a scale-free form, 1 at the first step for `global_mean`).
-
-    Returns:
-        Scalar fp32 (float64 for float64 logits); exactly 0 when M == 0.
     """
     assert target in TARGETS, target  # PALUOptions checked it
     if logits.shape[0] == 0:

@@ -13,18 +13,16 @@ import torch.nn.functional as F
 
 from palu_trainer.method.chunking import AS_NEEDED, ProjectionCalls, mean_over_chunks
 from palu_trainer.method.local_loss import LOCAL_LOSS_SCALES, local_entropy_loss
-from palu_trainer.method.positions import at_forget_positions, flat_rows, label_positions
 from palu_trainer.method.reference import ModelReference, Reference, reference_targets
+from palu_trainer.method.roles import at_forget_positions, flat_rows, label_positions
 
 
 def check_kl_weight(kl_weight):
     """λ: a number >= 0, or `alpha` (the released code: the KL is weighted by alpha, outside gamma)."""
     if kl_weight == "alpha":
         return kl_weight
-    finite = (
-        isinstance(kl_weight, int | float) and not isinstance(kl_weight, bool) and math.isfinite(kl_weight)
-    )
-    if not (finite and kl_weight >= 0):
+    number = isinstance(kl_weight, int | float) and not isinstance(kl_weight, bool)
+    if not (number and math.isfinite(kl_weight) and kl_weight >= 0):
         raise ValueError(
             "must be a number >= 0 (λ, the weight of the KL on common tokens) or `alpha` (the released "
             "code's tie of the KL weight to the retain weight)"
@@ -34,8 +32,7 @@ def check_kl_weight(kl_weight):
 
 @dataclass
 class PALUTerms:
-    """One batch's terms: `local`, `kl`, `retain` as computed (fp32 scalars, for the log) and `weighted`,
-    the summands of the training loss (local, kl, retain with their weights)."""
+    """One batch's terms as computed (fp32 scalars, for the log) and `weighted`, the summands of the loss."""
 
     local: torch.Tensor
     kl: torch.Tensor
@@ -52,11 +49,8 @@ class PALUObjective:
     """loss = gamma·(local + λ·KL) + alpha·retain; with kl_weight `alpha` (the released code),
     gamma·local + alpha·KL + alpha·retain.
 
-    top_k: K, resolved against the vocabulary (`local_loss.resolve_top_k`). target, target_gradient: c of
-    the local loss and whether gradient flows through it. kl_direction: `ref_to_policy` KL(P_ref ‖ P_θ) (the
-    paper) or `policy_to_ref` (the released code). kl_weight: λ. local_loss_scale: `none` (the paper) or
-    `reference` (each initiating position's loss over the reference's own there). chunk_rows: positions
-    projected at once (`chunking.logit_chunk_rows`); None: all at once.
+    top_k: K, resolved (`local_loss.resolve_top_k`). chunk_rows: positions projected at once
+    (`chunking.logit_chunk_rows`); None: all at once. The other fields: `PALUOptions`' of the same name.
     """
 
     top_k: int
@@ -73,8 +67,7 @@ class PALUObjective:
         assert self.local_loss_scale in LOCAL_LOSS_SCALES, self.local_loss_scale  # PALUOptions checked it
 
     def reference(self, states, roles, project=None, top_m=None) -> Reference:
-        """The reference's targets for a batch from its states (B, T, d), computed now (no gradient): dense,
-        or the top-m form with `top_m` (see `reference.reference_targets`)."""
+        """The reference's targets for a batch, computed now (`reference.reference_targets`)."""
         return reference_targets(
             states, roles, self.top_k, self.kl_direction, top_m, project, self.chunk_rows
         )
@@ -96,9 +89,8 @@ class PALUObjective:
         Args:
             states: (B, T, d), unshifted: position t-1 predicts token t. project: (n, d) -> (n, V), run only
                 at the initiating and common positions, `chunk_rows` at a time; None: `states` are logits.
-            roles: (B, T) TokenRole of each input token.
-            reference: the reference's side for this batch (any `Reference`).
-            calls: the projection calls, for ZeRO-3 (`chunking.ProjectionCalls`).
+            roles: (B, T) TokenRole of each input token. reference: the reference's side for this batch.
+            calls: the projection calls, for ZeRO-3.
         """
 
         def local_rows(logits, rows):

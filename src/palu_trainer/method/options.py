@@ -1,10 +1,6 @@
-"""PALU's options (`trainer.method_args`): one typed object (`validation.Options`), checked once, before the
-model loads.
-
-palu-train checks the composed config's method_args with `PALUOptions.parse` before loading
-anything, and `PALUTrainer` builds its options the same way. configs/trainer/PALU.yaml, docs/method.md's
-table and palu-train's usage text are held to these fields and defaults by tests/method/test_options.py.
-"""
+"""PALU's and TPO's options (`trainer.method_args`), parsed by palu-train before the model loads and by the
+trainers alike. configs/trainer/PALU.yaml, docs/method.md's table and palu-train's usage text are held to
+these fields and defaults by tests/method/test_options.py."""
 
 from palu_trainer.method.kl import KL_DIRECTIONS
 from palu_trainer.method.local_loss import LOCAL_LOSS_SCALES, TARGETS, check_top_k
@@ -57,19 +53,10 @@ class PALUOptions(Options):
     ) = False
 
     def objective(self, top_k: int, chunk_rows: int | None = None) -> PALUObjective:
-        """The objective these options ask for, with K resolved against the model's vocabulary
-        (`local_loss.resolve_top_k`) and `chunk_rows` positions projected at once."""
-        return PALUObjective(
-            top_k=top_k,
-            target=self.target,
-            target_gradient=self.target_gradient,
-            kl_direction=self.kl_direction,
-            kl_weight=self.kl_weight,
-            local_loss_scale=self.local_loss_scale,
-            gamma=self.gamma,
-            alpha=self.alpha,
-            chunk_rows=chunk_rows,
-        )
+        """The objective these options ask for, with K resolved (`local_loss.resolve_top_k`) and `chunk_rows`
+        positions projected at once."""
+        shared = "target target_gradient kl_direction kl_weight local_loss_scale gamma alpha".split()
+        return PALUObjective(top_k, chunk_rows=chunk_rows, **{name: getattr(self, name) for name in shared})
 
 
 class TPOOptions(Options):

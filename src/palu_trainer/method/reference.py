@@ -1,14 +1,6 @@
-"""What PALU reads from the frozen reference for one forget batch, behind one protocol, `Reference`.
-
-Three forms, each knowing its own KL:
-- `DenseReference`: P_ref over all of V at each common position (from the reference's full logits).
-- `TopMReference`: P_ref as its m most probable entries and one tail bucket (the reference cache's form).
-- `ModelReference`: the reference model's final hidden states, projected a chunk of positions at a time
-  inside the loss's own chunks, so that no (C, V) P_ref is ever held.
-
-Shapes: M initiating and C common positions, V vocabulary, K reference top-K, m kept entries per common
-position, d hidden size.
-"""
+"""What PALU reads from the frozen reference for one forget batch: the `Reference` protocol and its three
+forms, each knowing its KL. Shapes: M initiating and C common positions, V vocabulary, K reference top-K, m
+kept entries per common position, d hidden size."""
 
 import math
 from collections.abc import Callable
@@ -18,7 +10,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from palu_trainer.method.chunking import at_least_fp32
+from palu_trainer.method.chunking import at_least_fp32, logits_of
 from palu_trainer.method.kl import (
     KL_DIRECTIONS,
     common_kl_loss,
@@ -26,7 +18,7 @@ from palu_trainer.method.kl import (
     common_kl_to_reference_loss,
     common_kl_to_reference_top_m,
 )
-from palu_trainer.method.positions import at_forget_positions
+from palu_trainer.method.roles import at_forget_positions
 
 
 @dataclass
@@ -102,12 +94,11 @@ def dense_kl(
 @dataclass
 class TopMReference:
     """P_ref at each common position coarsened to its m most probable entries and one tail bucket holding
-    the rest of its mass r; the KL is taken between the coarsened distributions (see `kl._KLFromTopM`,
-    `kl._KLToTopM` for its error, bounded by the tail).
+    the rest of its mass r; the KL is taken between the coarsened distributions (its error, bounded by the
+    tail: `kl._KLFromTopM`, `kl._KLToTopM`).
 
-    indices: (C, m) int64, the entries kept. common: (C, m) their P_ref (`ref_to_policy`) or log P_ref
-    (`policy_to_ref`). tail: (C,) r (`ref_to_policy`) or log r (`policy_to_ref`). neg_entropy: (C,)
-    Σ_top p·log p + r·log r (`ref_to_policy` only).
+    indices: (C, m) int64, the entries kept. common: (C, m) their P_ref, or log P_ref (`policy_to_ref`).
+    tail: (C,) r, or log r. neg_entropy: (C,) Σ_top p·log p + r·log r (`ref_to_policy` only).
     """
 
     initiating_targets: InitiatingTargets
@@ -150,12 +141,9 @@ def common_fields(logits: torch.Tensor, kl_direction: str, top_m: int | None) ->
 
 @dataclass
 class ModelReference:
-    """The reference model's targets, projected from its final hidden states inside each chunk of the loss
-    (without gradient), so that no (C, V) P_ref is held: the form used when no cache is built.
-
-    initiating_states: (M, d) and common_states: (C, d), the reference's final hidden states (or its
-    logits, with `project` None) at the positions that predict initiating and common tokens. project:
-    (n, d) -> (n, V), the reference's output projection.
+    """The reference's final hidden states (or logits, with `project` None) at the positions that predict
+    initiating (M, d) and common (C, d) tokens, projected by its `project` (n, d) -> (n, V) inside each chunk
+    of the loss (without gradient), so that no (C, V) P_ref is held: the form used when no cache is built.
     """
 
     initiating_states: torch.Tensor
@@ -164,16 +152,13 @@ class ModelReference:
     top_k: int
     kl_direction: str = "ref_to_policy"
 
-    def _logits(self, states: torch.Tensor) -> torch.Tensor:
-        return at_least_fp32(self.project(states) if self.project else states)
-
     def initiating(self, rows: slice) -> InitiatingTargets:
         with torch.no_grad():
-            return initiating_targets(self._logits(self.initiating_states[rows]), self.top_k)
+            return initiating_targets(logits_of(self.initiating_states[rows], self.project), self.top_k)
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         with torch.no_grad():
-            fields = common_fields(self._logits(self.common_states[rows]), self.kl_direction, None)
+            fields = common_fields(logits_of(self.common_states[rows], self.project), self.kl_direction, None)
         return dense_kl(logits, self.kl_direction, **fields)
 
 
@@ -190,8 +175,7 @@ def reference_targets(
 
     Args:
         states: (B, T, d) the reference's final hidden states, or (B, T, V) its logits (project None);
-            unshifted: position t-1 predicts token t.
-        roles: (B, T) TokenRole of each input token.
+            unshifted: position t-1 predicts token t. roles: (B, T) TokenRole of each input token.
         top_k: K, at most V. kl_direction: what the common positions keep (see `DenseReference`).
         top_m: None keeps all V entries at common positions; m (at most V) the top-m form.
         project: (n, d) -> (n, V), run `chunk_rows` positions at a time (at least once per kind, also for
@@ -203,8 +187,7 @@ def reference_targets(
     def in_chunks(rows_states, fields):
         step = chunk_rows or max(len(rows_states), 1)
         starts = range(0, max(len(rows_states), 1), step)
-        chunks = (rows_states[start : start + step] for start in starts)
-        parts = [fields(at_least_fp32(project(chunk) if project else chunk)) for chunk in chunks]
+        parts = [fields(logits_of(rows_states[start : start + step], project)) for start in starts]
         return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
     initiating_states, common_states = at_forget_positions(states, roles)

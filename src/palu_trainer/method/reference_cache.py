@@ -1,12 +1,9 @@
-"""Reference cache: the reference model's PALU targets for every forget row, computed once.
-
-The forget set is fixed and the reference is the policy before its first step, so one pass of the
-policy over the forget set yields everything PALU ever reads from the reference: no second model.
-At a common position the cache keeps the reference's m most probable entries and their tail mass
-(about m + 1 numbers instead of |V|; see `reference.TopMReference` for the KL this gives and its error).
+"""The reference model's PALU targets for every forget row, computed once: the forget set is fixed and the
+reference is the policy before its first step, so one pass of the policy over the forget set yields all PALU
+ever reads from the reference (no second model). A common position keeps the reference's m most probable
+entries and their tail mass (`reference.TopMReference`): about m + 1 numbers instead of |V|.
 """
 
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -15,13 +12,8 @@ import torch
 from palu_trainer.method.reference import InitiatingTargets, TopMReference
 from palu_trainer.method.roles import TokenRole
 
-logger = logging.getLogger(__name__)
-
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX_BYTES = 4  # vocabulary entries are kept as int32
-
-
-INITIATING_FIELDS = ("topk_indices", "logit_mean", "topk_spread")
 COMMON_FIELDS = ("indices", "common", "tail", "neg_entropy")
 
 
@@ -29,31 +21,24 @@ COMMON_FIELDS = ("indices", "common", "tail", "neg_entropy")
 class ReferenceCache:
     """The reference's `TopMReference` of every forget row (keyed by dataset index), on host memory.
 
-    initiating[name][i]: the row's `InitiatingTargets` field `name`, topk_indices (M_i, K) int32,
-    logit_mean and topk_spread (M_i,) fp32. common[name][i]: its `TopMReference` field `name`, indices
-    (C_i, m) int32, common (C_i, m) in the cache dtype (P_ref, or log P_ref for `policy_to_ref`, so that
-    probabilities that underflow to 0 keep their exact log), tail and neg_entropy (C_i,) fp32. Rows are in
-    the order of the row's initiating / common positions.
+    initiating[name][i], common[name][i]: row i's `InitiatingTargets` / `TopMReference` field `name` at its
+    initiating / common positions, in their order; vocabulary entries int32, `common` in the cache dtype
+    (log P_ref for `policy_to_ref`, so that probabilities that underflow to 0 keep their exact log), the
+    rest fp32.
     """
 
     kl_direction: str
     initiating: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     common: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
-    def _tables(self):
-        return [*self.initiating.values(), *self.common.values()]
-
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for table in self._tables() for t in table.values())
+        tables = [*self.initiating.values(), *self.common.values()]
+        return sum(t.numel() * t.element_size() for table in tables for t in table.values())
 
     def targets(self, row_indices: Iterable[int], roles: torch.Tensor, device) -> TopMReference:
-        """The batch's targets, in the order `roles[roles == ROLE]` selects positions.
-
-        Args:
-            row_indices: (B,) dataset index of each batch row.
-            roles: (B, T) roles of the batch's tokens, used to check the cache still fits it.
-        """
+        """The batch's targets, in the order `roles[roles == ROLE]` selects positions: row_indices (B,) the
+        dataset index of each batch row; roles (B, T), which the cache must still fit."""
         rows = [int(i) for i in row_indices]
         for row, row_roles in zip(rows, roles):
             expected = count_positions([row_roles])
@@ -81,13 +66,10 @@ def build_reference_cache(
     batches: Iterable[dict],
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceCache:
-    """Run `batch_targets` over collated forget batches and keep each row's targets on the host.
-
-    `batch_targets(batch)` gives the reference's targets for the batch's initiating and common positions,
-    in row-major order (see `positions.forget_rows`), in the top-m form (see `reference.reference_targets`).
-    Each batch needs `input_ids`, `attention_mask`, `token_roles` and `index`. Called identically on every
-    rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set. `dtype`
-    stores the (log) probabilities (`CACHE_DTYPES`).
+    """Run `batch_targets` (the reference's targets at the batch's initiating and common positions, in
+    row-major order) over collated forget batches (`input_ids`, `attention_mask`, `token_roles`, `index`) and
+    keep each row's targets on the host, the (log) probabilities in `dtype`. Called identically on every
+    rank, so that ZeRO-3's collective forwards line up; each rank keeps the whole forget set.
     """
     cache = None
     dtypes = {"topk_indices": torch.int32, "indices": torch.int32, "common": dtype}
@@ -96,15 +78,10 @@ def build_reference_cache(
             targets = batch_targets(batch)
             cache = cache or ReferenceCache(targets.kl_direction)
             counts = [count_positions([row_roles]) for row_roles in batch["token_roles"]]
-            parts = [
-                (cache.initiating, vars(targets.initiating_targets), [m for m, _ in counts]),
-                (
-                    cache.common,
-                    {name: getattr(targets, name) for name in COMMON_FIELDS},
-                    [c for _, c in counts],
-                ),
-            ]
-            for tables, values, sizes in parts:
+            common = {name: getattr(targets, name) for name in COMMON_FIELDS}
+            parts = [(cache.initiating, vars(targets.initiating_targets), 0), (cache.common, common, 1)]
+            for tables, values, kind in parts:
+                sizes = [count[kind] for count in counts]  # kind: 0 initiating, 1 common
                 for name, value in values.items():
                     if value is None:
                         continue
@@ -135,11 +112,9 @@ def estimated_nbytes(
     kl_direction: str = "ref_to_policy",
 ) -> int:
     """Host bytes `build_reference_cache` would hold for this many initiating and common positions (see
-    `count_positions`): known before anything is built.
-
-    Per initiating position: K int32 indices, an fp32 mean and an fp32 spread. Per common position: m int32
-    entries and their (log) probabilities in `dtype`, plus the fp32 tail mass and KL constant (ref_to_policy)
-    or the fp32 log tail mass (policy_to_ref).
+    `count_positions`), known before anything is built. Per initiating position: K int32 indices, an fp32
+    mean and an fp32 spread. Per common position: m int32 entries and their (log) probabilities in `dtype`,
+    plus the fp32 tail mass and KL constant (ref_to_policy) or the fp32 log tail mass (policy_to_ref).
     """
     item_size = torch.empty((), dtype=dtype).element_size()
     per_common = top_m * (INDEX_BYTES + item_size) + (4 if kl_direction == "policy_to_ref" else 8)

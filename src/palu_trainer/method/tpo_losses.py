@@ -10,8 +10,8 @@ tokens (COMMON, the EOS included) and adds two terms to the retain loss:
 - preservation (PL): the ground-truth NLL of the common tokens, summed within each sequence and averaged
   over the batch (the released `get_batch_loss(...).mean()`), not a KL to the reference.
 
-Shapes: B batch, T sequence length, V vocabulary. Logits are unshifted: position t-1 predicts token t.
-Every reduction runs in fp32; an empty selection gives exactly 0.
+Arguments: logits (B, T, V), unshifted (position t-1 predicts token t); input_ids (B, T); roles (B, T),
+the TokenRole of each input token. Every reduction runs in fp32; an empty selection gives exactly 0.
 """
 
 import torch
@@ -20,24 +20,11 @@ import torch.nn.functional as F
 from palu_trainer.method.roles import TokenRole
 
 
-def sensitive_tokens(roles: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: TPO's sensitive tokens, i.e. all span tokens (INITIATING or REDUNDANT)."""
-    return (roles == TokenRole.INITIATING) | (roles == TokenRole.REDUNDANT)
-
-
 def per_sequence_target_logit(
     logits: torch.Tensor, input_ids: torch.Tensor, predicted: torch.Tensor
 ) -> torch.Tensor:
-    """Mean raw logit of the ground-truth next token over the positions that predict `predicted` tokens.
-
-    Args:
-        logits: (B, T, V) unshifted logits.
-        input_ids: (B, T) token ids.
-        predicted: (B, T) bool, the tokens whose prediction counts (position 0 is never predicted).
-
-    Returns:
-        (S,) fp32, one mean per sequence with at least one predicted token (S ≤ B), in batch order.
-    """
+    """(S,) fp32 mean raw logit of the ground-truth next token over the positions that predict the
+    `predicted` (B, T) bool tokens, for each of the S sequences (in batch order) with at least one."""
     mask = predicted[:, 1:]
     target = logits[:, :-1].gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).float()
     counts = mask.sum(dim=1)
@@ -57,15 +44,9 @@ def tpo_preference_loss(
 
     r_b, c_b: the reference's and the current model's mean target logit over sequence b's sensitive
     tokens. Sequences without a sensitive token are left out of both means (released: 0/0 = NaN).
-
-    Args:
-        logits: (B, T, V) current logits. reference_logits: (B, T, V) frozen reference logits.
-        input_ids: (B, T). roles: (B, T) TokenRole of each input token. beta: β > 0.
-
-    Returns:
-        Scalar fp32; exactly 0 when no sequence has a sensitive token.
+    reference_logits: (B, T, V) the frozen reference's. beta: β > 0.
     """
-    sensitive = sensitive_tokens(roles)
+    sensitive = (roles == TokenRole.INITIATING) | (roles == TokenRole.REDUNDANT)
     current = per_sequence_target_logit(logits, input_ids, sensitive)
     if current.numel() == 0:
         return logits.new_zeros((), dtype=torch.float32)
@@ -76,14 +57,7 @@ def tpo_preference_loss(
 
 
 def tpo_preservation_loss(logits: torch.Tensor, input_ids: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
-    """PL = (1/B)·Σ_b Σ_{t common} −log P_θ(x_t | x_<t): per-sequence sum, batch mean.
-
-    Args:
-        logits: (B, T, V) current logits. input_ids: (B, T). roles: (B, T) TokenRole of each input token.
-
-    Returns:
-        Scalar fp32; exactly 0 when the batch has no common token.
-    """
+    """PL = (1/B)·Σ_b Σ_{t common} −log P_θ(x_t | x_<t): per-sequence sum, batch mean."""
     predicted = torch.nonzero(roles[:, 1:] == TokenRole.COMMON)
     if predicted.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)

@@ -14,7 +14,6 @@ from palu_trainer.method.chunking import ProjectionCalls, chunk_count, logit_chu
 from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.objective import PALUTerms, term_gradient_norms
 from palu_trainer.method.options import PALUOptions
-from palu_trainer.method.positions import forget_rows, label_positions
 from palu_trainer.method.reference import Reference
 from palu_trainer.method.reference_cache import (
     CACHE_DTYPES,
@@ -23,7 +22,7 @@ from palu_trainer.method.reference_cache import (
     describe,
     estimated_nbytes,
 )
-from palu_trainer.method.roles import count_roles
+from palu_trainer.method.roles import count_roles, forget_rows, label_positions
 
 logger = logging.getLogger(__name__)
 
