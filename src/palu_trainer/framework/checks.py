@@ -24,8 +24,7 @@ from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
 from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem
-from palu_trainer.framework.stale_weights import final_weights
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
     forget_weight_warning,
@@ -203,7 +202,7 @@ def run_options(cfg) -> dict:
 
 def resume_options_problem(cfg, script) -> str | None:
     """A resume under other method options than its checkpoint was trained with: the differences listed."""
-    from palu_trainer.framework.resume import checkpoint_to_resume
+    from palu_trainer.training.resume import checkpoint_to_resume
 
     try:
         checkpoint = checkpoint_to_resume(

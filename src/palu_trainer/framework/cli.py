@@ -18,9 +18,9 @@ from palu_trainer.framework.patches import (
     resuming,
 )
 from palu_trainer.framework.registry import register
-from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
-from palu_trainer.framework.run_lock import take_output_folder
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
+from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
+from palu_trainer.training.run_lock import take_output_folder
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
     argv = sys.argv[1:]  # before Hydra: for the resume command a preempted run prints
-    from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
+    from palu_trainer.training.run_stats import RUN_STATS_VARIABLE, with_run_stats
 
     src = ensure_importable()
     problem = stack_problem(src)

@@ -30,7 +30,7 @@ class FrameworkScript(Callback):
         from palu_trainer.framework.checks import config_problems
         from palu_trainer.framework.patches import patch_framework_script
         from palu_trainer.framework.run_guard import RunStopped
-        from palu_trainer.framework.run_lock import take_output_folder
+        from palu_trainer.training.run_lock import take_output_folder
 
         module = framework_script()
         if module is None:

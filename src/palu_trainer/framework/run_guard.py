@@ -33,11 +33,16 @@ from pathlib import Path
 import torch
 
 from palu_trainer.framework.stack import rotate_checkpoints
-from palu_trainer.framework.stale_weights import FINAL_WEIGHTS, remove_stale_weights
 
 logger = logging.getLogger(__name__)
 
 FAILED_RUN_FILE = "palu_run_failed.json"
+FINAL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "pytorch_model*.bin",
+)
 STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
@@ -54,6 +59,21 @@ class RunStopped(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def final_weights(folder) -> list[str]:
+    """The names of the final weights a finished run saved in `folder`."""
+    return sorted({path.name for pattern in FINAL_WEIGHTS for path in Path(folder).glob(pattern)})
+
+
+def remove_stale_weights(output_dir: str) -> list[str]:
+    """Delete an earlier run's final weights from `output_dir` before training into it: the framework writes
+    them only after the last step, so an interrupted run would leave the old model beside its new
+    checkpoints, looking finished."""
+    stale = final_weights(output_dir)
+    for name in stale:
+        (Path(output_dir) / name).unlink()
+    return stale
 
 
 def failed_run(folder) -> dict | None:
@@ -112,7 +132,7 @@ class RunGuard:
     command. The SIGTERM and SIGINT handlers are installed while `train` runs."""
 
     def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
-        from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
+        from palu_trainer.training.run_plan import ALLOW_LOW_DISK
 
         self.trainer = trainer
         self.argv = list(argv)
@@ -146,7 +166,7 @@ class RunGuard:
         """Refuse a run that would train nothing or could not save, before its first step (the message alone,
         under the framework's train.py too); clear an earlier run's failure mark and final weights, which the
         config check (`checks.finished_folder_problem`) let through only when asked to overwrite or resume."""
-        from palu_trainer.framework.run_plan import (
+        from palu_trainer.training.run_plan import (
             disk_space_problem,
             empty_epoch_problem,
             zero_learning_rate_problem,

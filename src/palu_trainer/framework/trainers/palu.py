@@ -6,10 +6,8 @@ import torch
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.lora import adapters_disabled, base_model
-from palu_trainer.framework.projection import logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 from palu_trainer.framework.trainers.guarded import GuardedGradDiff
-from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.chunking import ProjectionCalls, chunk_count, logit_chunk_rows
 from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.objective import PALUTerms, term_gradient_norms
@@ -24,6 +22,8 @@ from palu_trainer.method.reference_cache import (
     estimated_nbytes,
 )
 from palu_trainer.method.roles import count_roles
+from palu_trainer.training.projection import logit_projection
+from palu_trainer.training.vocabulary import reachable_vocab_size
 
 logger = logging.getLogger(__name__)
 
