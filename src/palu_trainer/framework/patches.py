@@ -1,7 +1,6 @@
-"""The framework's loaders wrapped: its train.py's `load_trainer`, `get_model` and `get_data` with this
-plugin's checks, LoRA adapters and resuming around them. `patch_framework_script` is what every run gets (the
-Hydra callback applies it under src/train.py and palu-train alike); `resuming`, `averaging_accumulated_losses`
-and `guarding` are palu-train's, for the stock trainers."""
+"""The framework's loaders (`get_model`, `get_data`, `load_trainer`) wrapped. `patch_framework_script` is what
+every run gets; `resuming`, `averaging_accumulated_losses` and `guarding` are palu-train's, for the stock
+trainers."""
 
 import functools
 import logging
@@ -72,7 +71,7 @@ def checking_vocabulary(model, tokenizer):
     return model, tokenizer
 
 
-def upcast(module, args, output):
+def upcast_logits_in_eval(module, args, output):
     logits = getattr(output, "logits", None)
     if not module.training and logits is not None and logits.dtype in (torch.bfloat16, torch.float16):
         output.logits = logits.float()
@@ -88,22 +87,17 @@ def upcasting_evaluation_logits(model, tokenizer):
     bf16 ("Got unsupported ScalarType BFloat16"): every bf16 evaluation on the 4.51 stack stopped there, in
     palu-eval and in the Trainer's evaluation during training. Training (`model.training`) is left as it is.
     """
-    model.register_forward_hook(upcast)
+    model.register_forward_hook(upcast_logits_in_eval)
     return model, tokenizer
 
 
 def checking_data(get_data, cfg):
-    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed) and a bad
-    span file (AnnotationError: file, row and fix named) with its message alone."""
+    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed)."""
     from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
-    from palu_trainer.spans.format import AnnotationError
 
     @functools.wraps(get_data)
     def load(*args, **kwargs):
-        try:
-            data = get_data(*args, **kwargs)
-        except AnnotationError as error:
-            raise BadInput(str(error)) from None
+        data = get_data(*args, **kwargs)
         problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
         if problem and not cfg.get(ALLOW_OVERLAP, False):
             raise BadInput(problem)
@@ -218,25 +212,24 @@ def recording_options(trainer, trainer_args, cfg):
 
 
 def stopping_on_bad_input(load):
-    """`load`, whose BadInput (a message naming the mistake and its fix) stops the run with the message
-    alone: under src/train.py nothing else would catch it."""
+    """`load`, whose BadInput or AnnotationError (a bad span file: file, row and fix named) stops the run with
+    the message alone: under src/train.py nothing else would catch it."""
     from palu_trainer.framework.checks import BadInput
     from palu_trainer.framework.run_guard import RunStopped
+    from palu_trainer.spans.format import AnnotationError
 
     @functools.wraps(load)
     def checked(*args, **kwargs):
         try:
             return load(*args, **kwargs)
-        except BadInput as error:
+        except (BadInput, AnnotationError) as error:
             raise RunStopped(str(error)) from None
 
     return checked
 
 
 def patch_framework_script(module, cfg) -> None:
-    """Wrap the running framework script's (`module`: train.py or eval.py) loaders for the run `cfg`: models
-    checked against their tokenizer, LoRA checkpoints merged, evaluation logits in fp32, LoRA adapters
-    (`+peft=lora`), the forget/retain overlap check and the method options recorded in each checkpoint."""
+    """Wrap the loaders of the running framework script (`module`: train.py or eval.py) for the run `cfg`."""
     from palu_trainer.framework.lora import LoraSettings
 
     if getattr(module, PATCHED, False):

@@ -38,10 +38,7 @@ class PALUTrainer(GuardedGradDiff):
     NLL: label positions), a chunk at a time under activation checkpointing, for the models whose logits
     `projection.logit_projection` reproduces; other models hand their full logits to the same losses.
     The reference's targets come from a cache built before the first step (`reference_cache`), or from a
-    frozen reference model every step.
-
-    Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
-    policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
+    frozen reference model every step. Token roles come with the forget batches (`token_roles`).
     """
 
     options_type = PALUOptions
@@ -57,7 +54,8 @@ class PALUTrainer(GuardedGradDiff):
         self._term_gradient_norms: dict[str, float] = {}
         self._check_forget_batches(options.merge_adjacent_spans)
         vocab_size = self.model.config.vocab_size
-        top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, self._tokenizer()))
+        tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, tokenizer))
         self.objective = options.objective(top_k, chunk_rows=logit_chunk_rows(vocab_size))
         self.reference_cache_dtype = CACHE_DTYPES[options.reference_cache_dtype]
         self.reference_cache_top_m = min(options.reference_cache_top_m, vocab_size)  # |V|: the exact KL
@@ -70,7 +68,7 @@ class PALUTrainer(GuardedGradDiff):
         self._term_batches = 0
 
     def _log_projection(self) -> bool:
-        """Whether logits are projected at the loss positions only (logged, with why not)."""
+        """Whether logits are projected at the loss positions only (logged, or why not)."""
         projection, how = logit_projection(self.model)
         self.logits_to_keep = logits_to_keep_keyword(base_model(self.accelerator.unwrap_model(self.model)))
         if projection is None:
@@ -87,9 +85,6 @@ class PALUTrainer(GuardedGradDiff):
                 "logits at the loss positions only (%s=1 in the forward): %s", self.logits_to_keep, how
             )
         return projection is not None
-
-    def _tokenizer(self):
-        return getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
 
     def _check_forget_batches(self, merge_adjacent_spans):
         forget = getattr(self.train_dataset, "forget", None)
