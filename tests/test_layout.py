@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import palu_lab
 import palu_trainer
 
@@ -19,8 +21,9 @@ ALLOWED = {
     "method": {"method", "validation"},
     "spans": {"spans"},
     "benchmarks": {"benchmarks", "spans"},
-    "framework": {"framework", "method", "validation", "spans", "benchmarks"},
-    "experiments": {"experiments", "framework", "method", "validation", "spans", "benchmarks"},
+    "training": {"training", "method", "validation"},
+    "framework": {"framework", "training", "method", "validation", "spans", "benchmarks"},
+    "experiments": {"experiments", "framework", "training", "method", "validation", "spans", "benchmarks"},
 }
 ALLOWED["lab"] = set(ALLOWED) | {"lab"}
 FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")
@@ -118,16 +121,23 @@ def test_no_module_imports_a_script():
     assert offences == []
 
 
-def test_method_imports_without_open_unlearning():
-    """A fresh interpreter, no checkout to be found: the method layer loads no framework module."""
-    method_modules = sorted(
-        module_name(path) for path in (PACKAGE_DIR / "method").glob("*.py") if path.stem != "__init__"
-    )
-    assert {"palu_trainer.method.objective", "palu_trainer.method.reference"} <= set(method_modules)
+@pytest.mark.parametrize(
+    ("floor", "expected"),
+    [
+        ("method", {"palu_trainer.method.objective", "palu_trainer.method.reference"}),
+        ("training", {"palu_trainer.training.resume", "palu_trainer.training.run_plan"}),
+    ],
+)
+def test_method_and_training_import_without_open_unlearning(floor, expected):
+    """A fresh interpreter, no checkout to be found: the method and training layers load no framework module
+    (nor Hydra: `training` is what touches transformers and torch alone)."""
+    paths = (PACKAGE_DIR / floor).glob("*.py")
+    modules = sorted(module_name(path) for path in paths if path.stem != "__init__")
+    assert expected <= set(modules)
     script = (
         "import importlib, sys\n"
-        f"for name in {method_modules!r}: importlib.import_module(name)\n"
-        f"loaded = sorted(m for m in {FRAMEWORK_MODULES!r} if m in sys.modules)\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        f"loaded = sorted(m for m in {(*FRAMEWORK_MODULES, 'hydra', 'omegaconf')!r} if m in sys.modules)\n"
         "assert not any('open-unlearning' in entry for entry in sys.path), sys.path\n"
         "print('framework modules loaded:', loaded)\n"
     )

@@ -11,7 +11,7 @@ launch over all of them. FlashAttention-2 where flash-attn imports, else sdpa (w
 Printed: the plan (every command) before anything runs, then steps/s and peak GPU memory per method; exit
 status 1 if any run fails, has a non-finite loss or writes no evaluation, 2 if a requirement is missing.
 Steps/s: `train_steps_per_second` of the run's trainer_state.json (every step: PALU's first step also builds
-its reference cache) and, from `palu-train`'s own step times (PALU_RUN_STATS=1, framework/run_stats.py),
+its reference cache) and, from `palu-train`'s own step times (PALU_RUN_STATS=1, training/run_stats.py),
 steps 2..n alone. Peak GPU memory: `torch.cuda.max_memory_allocated` of the training process at its end
 (the largest over ranks), written by the same hook.
 
@@ -45,7 +45,7 @@ from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem
 from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
-from palu_trainer.framework.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE, read_run_stats
+from palu_trainer.training.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE, read_run_stats
 
 VOCAB_SIZE = 32000  # Llama-2's |V|
 TRAINED_VOCAB = 8192  # merges learnt from TOFU's text; the rest of the 32000 are unused tokens

@@ -17,8 +17,8 @@ from packaging.version import Version
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from palu_lab.tiny import make_tiny_model
-from palu_trainer.framework.projection import PROJECTED_MODEL_TYPES, SOFTCAPPED_MODEL_TYPES, logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
+from palu_trainer.training.projection import PROJECTED_MODEL_TYPES, SOFTCAPPED_MODEL_TYPES, logit_projection
 
 from .test_trainer import drift, loss_and_gradients
 

@@ -390,7 +390,7 @@ def test_tokenizer_and_model_vocabularies(tokens, rows, error, warning):
     import re
 
     from palu_trainer.framework.patches import checking_vocabulary
-    from palu_trainer.framework.vocabulary import reachable_vocab_size, vocabulary_mismatch
+    from palu_trainer.training.vocabulary import reachable_vocab_size, vocabulary_mismatch
 
     found_error, found_warning = vocabulary_mismatch(tokens, rows, "tokenizer-dir", "model-dir")
     assert (found_error is None) == (error is None) and (found_warning is None) == (warning is None)

@@ -10,12 +10,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
 from palu_trainer.framework.run_guard import FAILED_RUN_FILE, STAGING_DIR
+from palu_trainer.training.run_lock import LOCK_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
 from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after_three_steps, steps_logged
@@ -428,3 +430,37 @@ def test_a_kill_during_a_checkpoint_save_leaves_no_half_checkpoint_and_resume_tr
         "checkpoint-6",
     ]
     assert not (out / STAGING_DIR).exists()
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.stack
+def test_two_runs_into_one_folder_through_both_entry_points(tmp_path, tiny_model_dir, tofu_mirror):
+    out = tmp_path / "run"
+    long_run = framework_command(tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=5000"])
+    first = subprocess.Popen(
+        [sys.executable, "src/train.py", *long_run],
+        cwd=checkout_dir(), env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / LOCK_FILE).is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        second = train_through("palu-train", framework_command(tofu_mirror, tiny_model_dir, out, []))
+        assert first.poll() is None  # the first run still trains
+        output = second.stdout + second.stderr
+        assert second.returncode == 1, output[-3000:]
+        assert (
+            f"palu-train: paths.output_dir={out} is in use by another run (process {first.pid} on" in output
+        )
+        assert "PALUTrainer Trainer loaded" not in output
+    finally:
+        first.kill()
+        first.wait()
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == first.pid  # killed: its lock stays
+    again = train_through(
+        "src/train.py", framework_command(tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=2"])
+    )
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-3000:]
+    assert f"took over {out / LOCK_FILE} from a run that is gone (process {first.pid} on" in output
+    assert (out / "model.safetensors").is_file() and not (out / LOCK_FILE).exists()

@@ -16,7 +16,7 @@ from palu_trainer.framework.run_guard import (
     failed_run_problem,
     protect_run,
 )
-from palu_trainer.framework.run_plan import (
+from palu_trainer.training.run_plan import (
     disk_estimate,
     disk_space_problem,
     empty_epoch_problem,

@@ -145,7 +145,7 @@ def test_bf16_on_one_gpu_trains_as_fp32_does(
 def test_gradient_checkpointing_recomputes_without_reentrant_passes_unless_told(tmp_path):
     """Reentrant checkpointing gives each parameter two gradients per step (forget and retain forwards),
     which ZeRO-3 reduces separately: a wrong step (tests/framework/test_distributed.py measures it)."""
-    from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+    from palu_trainer.framework.trainers.guarded import use_non_reentrant_checkpointing
 
     def arguments(**options):
         args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **options)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from palu_lab import gpu_check
-from palu_trainer.framework.run_stats import RunStatsCallback, read_run_stats
+from palu_trainer.training.run_stats import RunStatsCallback, read_run_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_RUNS = ("PALU cache on", *gpu_check.LORA_RUNS)

@@ -1,15 +1,9 @@
-"""Mistakes that palu-train and palu-eval refuse before training, each message naming the option and the fix.
-
-- `argv_problem`: on the command line; `cpu_runtime_missing`: a run without CUDA and without the CPU overlay.
-- `CONFIG_CHECKS`: on the composed config, before Hydra starts the job (creates the output folder) and
-  before anything loads: output folder, model folder, `max_steps`, trainer options and their values, a
-  trainer that cannot read the experiment's forget set, `max_length`.
-- On the loaded data, before the trainer is built: forget rows that are also retain rows
-  (`forget_retain_overlap`).
-- On resuming: a checkpoint written on other data (`CheckpointRecord` records the data of each checkpoint),
-  and a warning for a checkpoint in the middle of an epoch.
+"""Mistakes that palu-train and palu-eval refuse before training, each message naming the option and the fix:
+on the command line, on the composed config before Hydra makes the output folder (`CONFIG_CHECKS`), on the
+loaded data (forget rows that are also retain rows) and on resuming (a checkpoint of other data or options).
 """
 
+import functools
 import hashlib
 import inspect
 import json
@@ -24,11 +18,9 @@ from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
 from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem
-from palu_trainer.framework.stale_weights import final_weights
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
-    forget_weight_warning,
     no_training_warning,
     training_arguments_problem,
 )
@@ -67,7 +59,7 @@ REFERENCE_MODULE_READERS = ("RMU",)
 
 
 def argv_problem(argv) -> str | None:
-    """Command-line mistakes Hydra reports in its own terms."""
+    """A command-line mistake that Hydra reports in its own terms."""
     for arg in argv:
         if arg.startswith("runtime="):
             return (
@@ -78,11 +70,8 @@ def argv_problem(argv) -> str | None:
 
 
 def cpu_runtime_missing(runtime_choice: str | None, cuda_available: bool) -> str | None:
-    """The error for a run without CUDA and without the `+runtime=cpu` overlay, else None.
-
-    Without it the framework's warm-up divides by the CUDA device count ("float floor division by
-    zero") and its optimizer and bf16 defaults need a GPU.
-    """
+    """A run without CUDA and without `+runtime=cpu`: the framework's warm-up divides by the CUDA device count
+    ("float floor division by zero") and its optimizer and bf16 defaults need a GPU."""
     if cuda_available or runtime_choice == "cpu":
         return None
     return (
@@ -120,10 +109,8 @@ def model_path_problem(cfg, script) -> str | None:
     for args, files in needs.items():
         key = f"model.{args}.pretrained_model_name_or_path"
         value = OmegaConf.select(cfg, key)
-        if not isinstance(value, str):
-            continue
-        if not is_local_path(value):
-            continue  # a hub id
+        if not isinstance(value, str) or not is_local_path(value):
+            continue  # unset, or a hub id
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
@@ -192,8 +179,8 @@ def finished_folder_problem(cfg, script) -> str | None:
 
 
 def run_options(cfg) -> dict:
-    """What a run's checkpoints are trained under, besides its data: the trainer, its `method_args` and the
-    LoRA settings, flattened to `key: value` (`CheckpointRecord` writes it into each checkpoint)."""
+    """What a run's checkpoints are trained under, besides its data, as `key: value`: the trainer, its
+    `method_args` and the LoRA settings."""
     options = {"trainer": cfg.trainer.get("handler")}
     for prefix, node in (("trainer.method_args", cfg.trainer.get("method_args")), ("peft", cfg.get("peft"))):
         values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
@@ -203,7 +190,7 @@ def run_options(cfg) -> dict:
 
 def resume_options_problem(cfg, script) -> str | None:
     """A resume under other method options than its checkpoint was trained with: the differences listed."""
-    from palu_trainer.framework.resume import checkpoint_to_resume
+    from palu_trainer.training.resume import checkpoint_to_resume
 
     try:
         checkpoint = checkpoint_to_resume(
@@ -250,10 +237,9 @@ def trainer_options(cls) -> tuple[set[str], set[str]]:
 
 
 def stock_options(cls) -> type[Options]:
-    """A stock trainer's options: the keywords of its __init__ up its MRO, with the values that its code does
-    not check: the loss weights, the beta of NPO, SimNPO and DPO (a temperature that divides their loss:
-    -2/beta · logsigmoid(...)) and GradDiff's retain loss, which would otherwise fail at the first step or
-    train the wrong thing."""
+    """A stock trainer's options (the keywords of its __init__ up its MRO), checking the values its code does
+    not and that would fail at the first step or train the wrong thing: the loss weights, the beta of NPO,
+    SimNPO and DPO (it divides their loss: -2/beta · logsigmoid(...)) and GradDiff's retain loss."""
     from trainer.unlearn.dpo import DPO
     from trainer.unlearn.grad_diff import GradDiff
     from trainer.unlearn.npo import NPO
@@ -298,11 +284,7 @@ def trainer_data_problem(cfg, script) -> str | None:
     trainer = OmegaConf.select(cfg, "hydra.runtime.choices.trainer") or handler
     muse = "muse" in str(experiment)
     if handler in SPAN_TRAINERS and forget and not span_sets:
-        own = (
-            "unlearn/muse/palu"
-            if muse
-            else ("unlearn/tofu/tpo" if handler == "TPOTrainer" else "unlearn/tofu/palu")
-        )
+        own = "unlearn/muse/palu" if muse else f"unlearn/tofu/{'tpo' if handler == 'TPOTrainer' else 'palu'}"
         return (
             f"trainer={trainer} reads span roles in the forget batches, which "
             f"experiment={experiment}'s forget set ({', '.join(forget)}) does not make: use "
@@ -367,7 +349,7 @@ def peft_problem(cfg, script) -> str | None:
     return None
 
 
-# (scripts, check): each returns the problem's message or None; all run before the job starts.
+# (scripts, check): each returns the problem's message or None.
 CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
     (("train", "eval"), model_path_problem),
@@ -382,24 +364,17 @@ CONFIG_CHECKS = (
     (("train", "eval"), peft_problem),
 )
 
-
-# Settings with a real use that still surprise: warned about before the job starts.
+# Settings with a real use that still surprise: warned about.
 CONFIG_WARNINGS = (
-    (("train",), forget_weight_warning),
+    (("train",), functools.partial(forget_weight_problem, warn=True)),
     (("train",), no_training_warning),
 )
 
 
 def config_problems(cfg, script: str, checks=CONFIG_CHECKS) -> list[str]:
-    """Every problem `checks` (`CONFIG_CHECKS`, or `CONFIG_WARNINGS`) finds in a composed config (with its
-    `hydra` node)."""
-    problems = []
-    for scripts, check in checks:
-        if script in scripts:
-            problem = check(cfg, script)
-            if problem:
-                problems.append(problem)
-    return problems
+    """Every problem `checks` (or `CONFIG_WARNINGS`) finds in a composed config (with its `hydra` node)."""
+    problems = [check(cfg, script) for scripts, check in checks if script in scripts]
+    return [problem for problem in problems if problem]
 
 
 def row_keys(dataset) -> list | None:
@@ -460,7 +435,7 @@ def run_data(train_dataset) -> dict:
 
 class CheckpointRecord(TrainerCallback):
     """Writes `record` as `file_name` into each checkpoint folder, for resuming to compare: the run's data
-    (`run_data`, RUN_DATA_FILE) and its options (`run_options`, RUN_OPTIONS_FILE)."""
+    (`run_data`) or options (`run_options`)."""
 
     def __init__(self, file_name: str, record: dict):
         self.file_name, self.record = file_name, record

@@ -1,7 +1,6 @@
 """`palu-train` and `palu-eval`: open-unlearning's own `train.py`/`eval.py` `main` under a Hydra app that
 first registers PALU, refuses command-line and config mistakes and points hub dataset loads at local
-mirrors (`TOFU_DIR`, `MUSE_DIR`).
-"""
+mirrors (`TOFU_DIR`, `MUSE_DIR`)."""
 
 import importlib
 import logging
@@ -18,9 +17,9 @@ from palu_trainer.framework.patches import (
     resuming,
 )
 from palu_trainer.framework.registry import register
-from palu_trainer.framework.resume import checkpoint_to_resume, resumed_model_problem
-from palu_trainer.framework.run_lock import take_output_folder
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
+from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
+from palu_trainer.training.run_lock import take_output_folder
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +46,8 @@ Full help: {prog} --help-full (Hydra's help and every default), {prog} ... --cfg
 """
 
 
-def usage(prog: str, script: str) -> str:
-    """The short `--help` of palu-train/palu-eval."""
-    return USAGE.format(prog=prog, script=script)
-
-
 def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
     """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder).
-
     Returns the composed config (with its `hydra` node) when it is the one Hydra's run composes, else None."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
@@ -86,8 +79,7 @@ def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
 
 def answering_hydras_mode_probe(mode) -> None:
     """Hydra 1.3 composes the whole config twice per run: once only to read `hydra.mode` (`Hydra.get_mode`),
-    then to run. The precheck's composition already holds that value, so the probe returns it: one composition
-    fewer per launch (each 2 to 4 s on 2 cores, as long as importing the framework)."""
+    then to run. The precheck's composition holds that value: one composition (2 to 4 s) fewer per launch."""
     from hydra._internal.hydra import Hydra
 
     if hasattr(Hydra, "get_mode"):
@@ -102,11 +94,11 @@ def run_framework_script(script: str, config_name: str) -> None:
 
     prog = Path(sys.argv[0]).name
     if {"-h", "--help"} & set(sys.argv[1:]):
-        print(usage(prog, script), end="")
+        print(USAGE.format(prog=prog, script=script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
     argv = sys.argv[1:]  # before Hydra: for the resume command a preempted run prints
-    from palu_trainer.framework.run_stats import RUN_STATS_VARIABLE, with_run_stats
+    from palu_trainer.training.run_stats import RUN_STATS_VARIABLE, with_run_stats
 
     src = ensure_importable()
     problem = stack_problem(src)
@@ -199,15 +191,11 @@ def release_process_group() -> None:
         rank = dist.get_rank()
         dist.barrier()
         dist.destroy_process_group()
-        shared_memory_buffer(rank).unlink(missing_ok=True)
-
-
-def shared_memory_buffer(rank: int) -> Path:
-    """The buffer in /dev/shm that DeepSpeed's CPU shared-memory allreduce (its shm op: ZeRO on CPU) made for
-    `rank`. DeepSpeed 0.15 never unlinks it, so each rank of each run left 66 MB of RAM behind until reboot
-    (12 GB after a few hundred runs of the distributed tests); on GPUs there is none."""
-    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}")
+        # DeepSpeed 0.15's CPU shared-memory allreduce (ZeRO on CPU) never unlinks its buffer: each rank of
+        # each run left 66 MB of RAM behind until reboot (none on GPUs)
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}")
+        buffer.unlink(missing_ok=True)
 
 
 def train_main() -> None:

@@ -28,10 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_max_length(max_length) -> int:
-    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1.
-
-    0 or a negative value would reach the tokenizer as "no truncation" (or an empty chunk) without a word.
-    """
+    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1 (0 or a negative value would
+    reach the tokenizer as "no truncation", or an empty chunk, without a word)."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(
             f"max_length={max_length!r}: tokens kept per row must be an integer >= 1 (0 does not mean 'no "
@@ -43,11 +41,9 @@ def check_max_length(max_length) -> int:
 class SpanRoles:
     """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
 
-    The dataset owns the initiating policy (`palu_trainer.method.initiating.InitiatingPolicy`: N =
-    `num_initiating_tokens`, `initiating_strategy`, `initiating_ratio`, `initiating_seed`,
-    `merge_adjacent_spans`): roles are fixed when it is built, for the whole run. Subclasses fill
-    `self.items` (dicts with `token_roles`, `spans_cut`, `spans_dropped`), then call `_log_summary` and
-    `_check_initiating_tokens`.
+    The dataset owns the initiating policy (`InitiatingPolicy`): roles are fixed when it is built, for the
+    whole run. Subclasses fill `self.items` (dicts with `token_roles`, `spans_cut`, `spans_dropped`), then
+    call `_log_summary` and `_check_initiating_tokens`.
 
     `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
     the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
@@ -128,13 +124,7 @@ class QAwithSpansDataset(SpanRoles, QADataset):
     file or a template/tokenizer mismatch stops the run before training starts.
     """
 
-    def __init__(
-        self,
-        span_annotations,
-        min_initiating_tokens="auto",
-        *args,
-        **kwargs,
-    ):
+    def __init__(self, span_annotations, min_initiating_tokens="auto", *args, **kwargs):
         policy = InitiatingOptions.take(kwargs).policy()
         check_max_length(kwargs.get("max_length", 512))
         super().__init__(*args, **kwargs)
@@ -156,11 +146,7 @@ class QAwithSpansDataset(SpanRoles, QADataset):
         is_label = (item["labels"] != IGNORE_INDEX).tolist()
         self._refuse_zero_width_offsets(item["input_ids"].tolist(), offsets, is_label, position)
         assignment = assign_token_roles(
-            answer_offsets,
-            is_label,
-            self.spans[position],
-            self.initiating_policy,
-            row=int(row["index"]),
+            answer_offsets, is_label, self.spans[position], self.initiating_policy, row=int(row["index"])
         )
         item["token_roles"] = assignment.roles
         item["spans_cut"] = assignment.spans_cut
@@ -268,12 +254,8 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
             )
         joined, joined_spans = join_with_spans(texts, self.spans)
         encoding = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
-        self.stats = {
-            "spans_split": 0,
-            "tokens_unplaced": 0,
-            "span_tokens_unplaced": 0,
-            "chunks_realigned": 0,
-        }
+        counted = ("spans_split", "tokens_unplaced", "span_tokens_unplaced", "chunks_realigned")
+        self.stats = dict.fromkeys(counted, 0)
         self.items = [
             self._chunk_with_roles(
                 index, joined, joined_spans, encoding["input_ids"], encoding["offset_mapping"]
@@ -311,12 +293,9 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])
         chunk_spans = [(max(a, start), min(b, end)) for a, b in joined_spans if a < end and b > start]
         self.stats["spans_split"] += sum(1 for a, b in joined_spans if a < start < b)
+        is_label = (item["labels"] != IGNORE_INDEX).tolist()
         assignment = assign_token_roles(
-            token_offsets,
-            (item["labels"] != IGNORE_INDEX).tolist(),
-            chunk_spans,
-            self.initiating_policy,
-            row=index,
+            token_offsets, is_label, chunk_spans, self.initiating_policy, row=index
         )
         roles = assignment.roles
         # An unplaced token sits where the previous placed one ends: inside a span if that point is.
@@ -373,10 +352,8 @@ def join_with_spans(texts, spans) -> tuple[str, list[tuple[int, int]]]:
 
 
 class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):
-    """The framework's collator, also padding `token_roles` with IGNORED and keeping row indices.
-
-    PALU's reference cache looks batch rows up by their dataset `index`, so it is kept by default.
-    """
+    """The framework's collator, also padding `token_roles` with IGNORED and keeping row indices by default
+    (PALU's reference cache looks batch rows up by their dataset `index`)."""
 
     def __init__(self, tokenizer, padding_side="right", index="index"):
         super().__init__(tokenizer, padding_side=padding_side, index=index)

@@ -1,12 +1,9 @@
-"""The Hydra callback that checks a run's config and wraps the framework's loaders, under the framework's own
-`src/train.py`/`src/eval.py` and under palu-train/palu-eval alike.
+"""The Hydra callback (`hydra.callbacks.palu_trainer` in this plugin's experiment YAMLs and in
+`configs/peft/lora.yaml`) that checks a run's config and wraps the framework's loaders under its own
+`src/train.py`/`src/eval.py`, as palu-train/palu-eval do in every run (docs/layout.md).
 
 Hydra calls `on_job_start` with the composed config after it made the output folder and before the script's
-`main`: the callback refuses a bad config there (`checks.CONFIG_CHECKS`, the message alone, exit 1), a
-training run takes its output folder for itself (`run_lock`), and it wraps the running script's `get_model`,
-`get_data` and `load_trainer` (`patches.patch_framework_script`). It is switched on by a config:
-`hydra.callbacks.palu_trainer` in this plugin's experiment YAMLs and in `configs/peft/lora.yaml`; palu-train
-and palu-eval run the same checks before Hydra starts and call the same patch in every run.
+`main`: a bad config stops there with the message alone, and a training run takes its output folder.
 """
 
 import sys
@@ -30,7 +27,7 @@ class FrameworkScript(Callback):
         from palu_trainer.framework.checks import config_problems
         from palu_trainer.framework.patches import patch_framework_script
         from palu_trainer.framework.run_guard import RunStopped
-        from palu_trainer.framework.run_lock import take_output_folder
+        from palu_trainer.training.run_lock import take_output_folder
 
         module = framework_script()
         if module is None:

@@ -68,28 +68,22 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
 
 
-def shared_memory_op_dir() -> Path | None:
+def shared_memory_op_dir(build: bool = False) -> Path | None:
     """The folder where torch builds DeepSpeed's CPU shared-memory op (its `lock` file marks a build under
-    way, or a killed one); None where the accelerator has no such op (CUDA)."""
+    way, or a killed one), built first with `build`: every ZeRO-3 launch on the CPU loads it, and the first
+    one compiles it (about a minute) while the other ranks wait. None where the accelerator has no such op
+    (CUDA)."""
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    return None if builder is None else Path(_get_build_directory(builder.name, verbose=False))
-
-
-def build_shared_memory_op() -> Path | None:
-    """Build DeepSpeed's CPU shared-memory op, or find it built: every ZeRO-3 launch on the CPU loads it, and
-    the first one compiles it (about a minute) while the other ranks wait. Returns its folder."""
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
         return None
-    builder.load()
-    return shared_memory_op_dir()
+    if build:
+        builder.load()
+    return Path(_get_build_directory(builder.name, verbose=False))
 
 
 if __name__ == "__main__":
-    built = build_shared_memory_op()
+    built = shared_memory_op_dir(build=True)
     print(f"DeepSpeed's CPU shared-memory op: {built or 'none for this accelerator'}")

@@ -1,8 +1,4 @@
-"""Hub datasets read from local folders: `TOFU_DIR` and `MUSE_DIR` in place of their hub ids.
-
-Every dataset load of a composed config that names a mirrored hub id is pointed at the folder, after
-checking that the folder holds each config and split the load needs.
-"""
+"""Hub datasets read from local folders: `TOFU_DIR` and `MUSE_DIR` in place of their hub ids."""
 
 import hashlib
 import os

@@ -1,14 +1,7 @@
-"""LoRA (peft) for every method palu-train runs, switched on with `+peft=lora` (configs/peft/lora.yaml).
-
-- The loaded model gets adapters (`add_adapters`), after checks that name the problem before training: a
-  target that matches no module, a rank above a targeted layer's width, LoRA on the output projection.
-- The reference any method reads is the same model with its adapters disabled (`AdaptersDisabled`), never a
-  second copy: while the trainer is built, the framework's `GradDiff._prepare_ref_model` (which every method
-  with a reference calls, PALU's and TPO's included) returns that view instead of a deep copy.
-- The final save writes the merged weights, which palu-eval and the stock evaluator load unchanged, with the
-  adapter beside them in `adapter/`. Checkpoints stay as transformers writes them (the adapter and the
-  optimizer state), so resuming works as without LoRA; palu-eval and palu-train load one as its base model
-  with the adapter merged (`adapter_checkpoint_base`, patches.merging_adapter_checkpoints).
+"""LoRA (peft) for every method palu-train runs, switched on with `+peft=lora` (configs/peft/lora.yaml,
+docs/lora.md): adapters checked and added, the reference the model with its adapters disabled (no second
+copy), the final save merged with the adapter beside it. Checkpoints stay as transformers writes them (the
+adapter and the optimizer state), so resuming works as without LoRA.
 """
 
 import contextlib
@@ -31,7 +24,6 @@ ADAPTER_NAME = "default"  # peft's name of the one adapter
 
 
 def module_names(value):
-    """`target_modules`: all-linear, or a list of module name suffixes."""
     if isinstance(value, str) and value:
         return value
     names = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else ()
@@ -52,7 +44,6 @@ class LoraSettings(Options):
 
     @classmethod
     def from_config(cls, node) -> "LoraSettings":
-        """The settings of a `peft` node, or ValueError naming the key and what it takes."""
         return cls.parse(OmegaConf.to_container(node, resolve=True), "peft.")
 
 
@@ -138,25 +129,21 @@ def is_adapted(model) -> bool:
 
 
 def base_model(model):
-    """The transformers model under a peft model's adapters (the model itself without LoRA)."""
+    """The transformers model under a peft model's adapters, or the model itself."""
     return model.get_base_model() if is_adapted(model) else model
 
 
 @contextlib.contextmanager
 def adapters_disabled(model):
     """`model` computes as its base weights inside this block (a no-op for a model without adapters)."""
-    if not is_adapted(model):
-        yield model
-        return
-    with model.disable_adapter():
+    with model.disable_adapter() if is_adapted(model) else contextlib.nullcontext():
         yield model
 
 
 class AdaptersDisabled:
     """The reference of a LoRA run: the trained model with its adapters disabled, in eval mode and without
     gradients, which computes exactly as the weights unlearning started from (the base weights are frozen).
-    Called as the framework calls a reference model (`ref_model(**inputs)`); other attributes (config,
-    output embeddings) are the model's."""
+    Called as the framework calls a reference model; other attributes are the model's."""
 
     def __init__(self, model):
         self.model = model
@@ -179,9 +166,9 @@ class AdaptersDisabled:
 
 @contextlib.contextmanager
 def reference_without_copy():
-    """While a trainer is built inside this block, a method's reference model is the trained model with its
-    adapters disabled (`AdaptersDisabled`) where that model has adapters, instead of the framework's deep
-    copy."""
+    """While a trainer is built inside this block, the framework's `GradDiff._prepare_ref_model` (which every
+    method with a reference calls, PALU's and TPO's included) returns an adapted model's `AdaptersDisabled`
+    instead of a deep copy."""
     from trainer.unlearn.grad_diff import GradDiff
 
     prepare = GradDiff._prepare_ref_model
@@ -201,10 +188,8 @@ def reference_without_copy():
 
 def merged_state_dict(state_dict: dict, model) -> dict:
     """The base model's state dict with every adapter merged into its layer: W + (alpha/r)·B·A.
-
-    `state_dict` is the peft model's, full (gathered under ZeRO-3); `model` the peft model, which says where
-    its adapters are and their scales. Keys come out as the base model names them.
-    """
+    `state_dict` is the peft model's, full (gathered under ZeRO-3); `model` the peft model (where its
+    adapters are and their scales)."""
     from peft.tuners.lora import LoraLayer
 
     prefix = "base_model.model."
@@ -233,10 +218,9 @@ def merged_state_dict(state_dict: dict, model) -> dict:
 def without_empty_parameter_groups(trainer):
     """`trainer.create_optimizer`, whose optimizer keeps only parameter groups with trainable parameters.
 
-    The Trainer groups the trainable parameters into decayed and not decayed; with LoRA the second is empty
-    (every adapter is a weight matrix). DeepSpeed's ZeRO-3 optimizer drops empty groups while the learning
-    rate scheduler, made from the Trainer's optimizer, keeps one rate per group: its first step failed with
-    "zip() argument 2 is longer than argument 1".
+    With LoRA the Trainer's group of parameters without weight decay is empty (every adapter is a weight
+    matrix). DeepSpeed's ZeRO-3 optimizer drops empty groups while the learning rate scheduler keeps one rate
+    per group: its first step failed with "zip() argument 2 is longer than argument 1".
     """
     create_optimizer = trainer.create_optimizer
 
@@ -293,9 +277,8 @@ def keeping_frozen_weights_through_recompute() -> None:
 
 
 def adapter_checkpoint_base(path) -> str | None:
-    """The base model named in a LoRA run's checkpoint, a folder that holds the adapter and no model (as
-    transformers writes checkpoints of a peft model); None for any other folder or name. ValueError when its
-    adapter_config.json cannot be read or names no base."""
+    """The base model named in a LoRA run's checkpoint (a folder with the adapter and no model); None for any
+    other folder or name. ValueError when its adapter_config.json cannot be read or names no base."""
     if not isinstance(path, str) or not path:
         return None
     folder = Path(path).expanduser()
@@ -315,8 +298,8 @@ def adapter_checkpoint_base(path) -> str | None:
 
 
 def saving_merged(trainer):
-    """`trainer.save_model`, which for the run's final save (not a checkpoint's) writes the merged weights
-    and the tokenizer to the output folder and the adapter to `adapter/` beside them."""
+    """`trainer.save_model`, whose final save (not a checkpoint's) writes the merged weights and the tokenizer
+    to the output folder and the adapter to `adapter/` beside them."""
     save_model = trainer.save_model
 
     @functools.wraps(save_model)

@@ -1,25 +1,38 @@
-"""The framework's loaders wrapped: its train.py's `load_trainer`, `get_model` and `get_data` with this
-plugin's checks, LoRA adapters, resuming and stale-weight removal around them. `patch_framework_script` is
-what every run gets (the Hydra callback applies it under src/train.py and palu-train alike); `resuming`,
-`averaging_accumulated_losses` and `guarding` are palu-train's, for the stock trainers."""
+"""The framework's loaders (`get_model`, `get_data`, `load_trainer`) wrapped. `patch_framework_script` is what
+every run gets; `resuming`, `averaging_accumulated_losses` and `guarding` are palu-train's, for the stock
+trainers."""
 
 import functools
 import logging
 
 import torch
 
-from palu_trainer.framework.torch_safe_globals import allow_numpy_rng_state
+from palu_trainer.training.resume import allow_numpy_rng_state
 
 logger = logging.getLogger(__name__)
 
 PATCHED = "palu_trainer_patched"  # set on a framework script's module once its loaders are wrapped
 
 
-def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = False):
-    """The framework's `load_trainer`, whose trainer resumes from `checkpoint` (train.py calls `train()`).
+def loader_wrapper(step):
+    """`step(first, second, *options)` -> `wrapper(load, *options)`: the framework's `load` (`get_model` or
+    `load_trainer`, each returning a pair), whose pair goes through `step`."""
 
-    Its checkpoints record the run's data (`checks.CheckpointRecord`); resuming on other data is refused.
-    """
+    @functools.wraps(step)
+    def wrapper(load, *options):
+        @functools.wraps(load)
+        def loaded(*args, **kwargs):
+            return step(*load(*args, **kwargs), *options)
+
+        return loaded
+
+    return wrapper
+
+
+@loader_wrapper
+def resuming(trainer, trainer_args, checkpoint: str | None, allow_other_data: bool = False):
+    """A trainer that resumes from `checkpoint` (train.py calls `train()`). Its checkpoints record the run's
+    data (`checks.CheckpointRecord`); resuming on other data is refused."""
     from palu_trainer.framework.checks import (
         RUN_DATA_FILE,
         BadInput,
@@ -28,83 +41,63 @@ def resuming(load_trainer, checkpoint: str | None, allow_other_data: bool = Fals
         run_data,
     )
 
-    @functools.wraps(load_trainer)
-    def load(*args, **kwargs):
-        trainer, trainer_args = load_trainer(*args, **kwargs)
-        record = run_data(trainer.train_dataset)
-        if checkpoint is not None:
-            error, warning = resume_data_problem(checkpoint, record)
-            if error and not allow_other_data:
-                raise BadInput(error)
-            if warning or error:
-                logger.warning(warning or error)
-        trainer.add_callback(CheckpointRecord(RUN_DATA_FILE, record))
-        if checkpoint is not None:
-            logger.info("resuming from %s", checkpoint)
-            allow_numpy_rng_state()
-            trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
-        return trainer, trainer_args
-
-    return load
-
-
-def checking_vocabulary(get_model):
-    """The framework's `get_model`, refusing a tokenizer that does not fit the model's vocabulary."""
-    from palu_trainer.framework.checks import BadInput
-    from palu_trainer.framework.vocabulary import model_vocab_size, vocabulary_mismatch
-
-    @functools.wraps(get_model)
-    def load(model_cfg, *args, **kwargs):
-        model, tokenizer = get_model(model_cfg, *args, **kwargs)
-        names = [getattr(loaded, "name_or_path", "") for loaded in (tokenizer, model)]
-        error, warning = vocabulary_mismatch(len(tokenizer), model_vocab_size(model), *names)
-        if error:
+    record = run_data(trainer.train_dataset)
+    if checkpoint is not None:
+        error, warning = resume_data_problem(checkpoint, record)
+        if error and not allow_other_data:
             raise BadInput(error)
-        if warning:
-            logger.warning(warning)
-        return model, tokenizer
+        if warning or error:
+            logger.warning(warning or error)
+    trainer.add_callback(CheckpointRecord(RUN_DATA_FILE, record))
+    if checkpoint is not None:
+        logger.info("resuming from %s", checkpoint)
+        allow_numpy_rng_state()
+        trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
+    return trainer, trainer_args
 
-    return load
+
+@loader_wrapper
+def checking_vocabulary(model, tokenizer):
+    """A tokenizer that does not fit the model's vocabulary refused."""
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.training.vocabulary import model_vocab_size, vocabulary_mismatch
+
+    names = [getattr(loaded, "name_or_path", "") for loaded in (tokenizer, model)]
+    error, warning = vocabulary_mismatch(len(tokenizer), model_vocab_size(model), *names)
+    if error:
+        raise BadInput(error)
+    if warning:
+        logger.warning(warning)
+    return model, tokenizer
 
 
-def upcasting_evaluation_logits(get_model):
-    """The framework's `get_model`, whose model returns fp32 logits in eval mode.
+def upcast_logits_in_eval(module, args, output):
+    logits = getattr(output, "logits", None)
+    if not module.training and logits is not None and logits.dtype in (torch.bfloat16, torch.float16):
+        output.logits = logits.float()
+    return output
+
+
+@loader_wrapper
+def upcasting_evaluation_logits(model, tokenizer):
+    """A model that returns fp32 logits in eval mode.
 
     transformers 4.46 and later return logits in the model's dtype (4.45 upcast them in `forward`); the
     framework's TOFU and MUSE metrics call `.numpy()` on values computed from them, which numpy refuses for
     bf16 ("Got unsupported ScalarType BFloat16"): every bf16 evaluation on the 4.51 stack stopped there, in
     palu-eval and in the Trainer's evaluation during training. Training (`model.training`) is left as it is.
     """
-
-    def upcast(module, args, output):
-        logits = getattr(output, "logits", None)
-        if not module.training and logits is not None and logits.dtype in (torch.bfloat16, torch.float16):
-            output.logits = logits.float()
-        return output
-
-    @functools.wraps(get_model)
-    def load(*args, **kwargs):
-        model, tokenizer = get_model(*args, **kwargs)
-        model.register_forward_hook(upcast)
-        return model, tokenizer
-
-    return load
+    model.register_forward_hook(upcast_logits_in_eval)
+    return model, tokenizer
 
 
 def checking_data(get_data, cfg):
-    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed).
-
-    A bad span file (AnnotationError: file, row and fix named) ends the run with its message alone.
-    """
+    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed)."""
     from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
-    from palu_trainer.spans.format import AnnotationError
 
     @functools.wraps(get_data)
     def load(*args, **kwargs):
-        try:
-            data = get_data(*args, **kwargs)
-        except AnnotationError as error:
-            raise BadInput(str(error)) from None
+        data = get_data(*args, **kwargs)
         problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
         if problem and not cfg.get(ALLOW_OVERLAP, False):
             raise BadInput(problem)
@@ -115,9 +108,9 @@ def checking_data(get_data, cfg):
     return load
 
 
-def averaging_accumulated_losses(load_trainer):
-    """The framework's `load_trainer`, whose trainer divides each micro-batch's loss by the accumulation
-    steps.
+@loader_wrapper
+def averaging_accumulated_losses(trainer, trainer_args):
+    """A trainer that divides each micro-batch's loss by the accumulation steps.
 
     transformers 4.46 and later skip that division for a model whose forward takes `**kwargs` (Llama, Qwen,
     Gemma on 4.51), expecting `compute_loss` to sum over the batch and divide by `num_items_in_batch`. Every
@@ -125,33 +118,21 @@ def averaging_accumulated_losses(load_trainer):
     gradient accumulation their gradient would grow with the accumulation steps on 4.51 and not on 4.45:
     side-by-side runs would differ by stack. This restores the division the pinned stack made.
     """
-
-    @functools.wraps(load_trainer)
-    def load(*args, **kwargs):
-        trainer, trainer_args = load_trainer(*args, **kwargs)
-        if getattr(trainer, "model_accepts_loss_kwargs", False):
-            trainer.model_accepts_loss_kwargs = False
-            logger.info(
-                "loss divided by gradient_accumulation_steps per micro-batch (a mean per micro-batch)"
-            )
-        return trainer, trainer_args
-
-    return load
+    if getattr(trainer, "model_accepts_loss_kwargs", False):
+        trainer.model_accepts_loss_kwargs = False
+        logger.info("loss divided by gradient_accumulation_steps per micro-batch (a mean per micro-batch)")
+    return trainer, trainer_args
 
 
-def guarding(load_trainer, argv: list[str]):
-    """The framework's `load_trainer`, whose trainer is guarded (`run_guard.protect_run`; PALU's and TPO's
-    guard themselves): the stock trainers under palu-train too."""
+@loader_wrapper
+def guarding(trainer, trainer_args, argv: list[str]):
+    """A guarded trainer (`run_guard.protect_run`; PALU's and TPO's guard themselves): the stock trainers
+    under palu-train too."""
     from palu_trainer.framework.run_guard import protect_run
 
-    @functools.wraps(load_trainer)
-    def load(*args, **kwargs):
-        trainer, trainer_args = load_trainer(*args, **kwargs)
-        if trainer_args.do_train:
-            protect_run(trainer, argv)
-        return trainer, trainer_args
-
-    return load
+    if trainer_args.do_train:
+        protect_run(trainer, argv)
+    return trainer, trainer_args
 
 
 def merging_adapter_checkpoints(get_model):
@@ -183,23 +164,16 @@ def merging_adapter_checkpoints(get_model):
     return load
 
 
-def with_adapters(get_model, peft_node):
-    """The framework's `get_model`, whose model carries LoRA adapters (`+peft=lora`), refused with the
-    reason when they cannot fit it."""
+@loader_wrapper
+def with_adapters(model, tokenizer, settings):
+    """A model with LoRA adapters (`+peft=lora`), refused with the reason when they cannot fit it."""
     from palu_trainer.framework.checks import BadInput
-    from palu_trainer.framework.lora import LoraSettings, adapter_problem, add_adapters
+    from palu_trainer.framework.lora import adapter_problem, add_adapters
 
-    settings = LoraSettings.from_config(peft_node)
-
-    @functools.wraps(get_model)
-    def load(*args, **kwargs):
-        model, tokenizer = get_model(*args, **kwargs)
-        problem = adapter_problem(model, settings)
-        if problem:
-            raise BadInput(problem)
-        return add_adapters(model, settings), tokenizer
-
-    return load
+    problem = adapter_problem(model, settings)
+    if problem:
+        raise BadInput(problem)
+    return add_adapters(model, settings), tokenizer
 
 
 def training_with_adapters(load_trainer):
@@ -212,7 +186,7 @@ def training_with_adapters(load_trainer):
         saving_merged,
         without_empty_parameter_groups,
     )
-    from palu_trainer.framework.trainers.checkpointing import use_non_reentrant_checkpointing
+    from palu_trainer.framework.trainers.guarded import use_non_reentrant_checkpointing
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
@@ -227,26 +201,37 @@ def training_with_adapters(load_trainer):
     return load
 
 
+@loader_wrapper
+def recording_options(trainer, trainer_args, cfg):
+    """A trainer whose checkpoints record the run's method options (`checks.run_options`), which a resume
+    compares (`checks.resume_options_problem`)."""
+    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord, run_options
+
+    trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, run_options(cfg)))
+    return trainer, trainer_args
+
+
 def stopping_on_bad_input(load):
-    """`load`, whose BadInput (a message naming the mistake and its fix) stops the run with the message
-    alone: under src/train.py nothing else would catch it."""
+    """`load`, whose BadInput or AnnotationError (a bad span file: file, row and fix named) stops the run with
+    the message alone: under src/train.py nothing else would catch it."""
     from palu_trainer.framework.checks import BadInput
     from palu_trainer.framework.run_guard import RunStopped
+    from palu_trainer.spans.format import AnnotationError
 
     @functools.wraps(load)
     def checked(*args, **kwargs):
         try:
             return load(*args, **kwargs)
-        except BadInput as error:
+        except (BadInput, AnnotationError) as error:
             raise RunStopped(str(error)) from None
 
     return checked
 
 
 def patch_framework_script(module, cfg) -> None:
-    """Wrap the running framework script's (`module`: train.py or eval.py) loaders for the run `cfg`: models
-    checked against their tokenizer, LoRA checkpoints merged, evaluation logits in fp32, LoRA adapters
-    (`+peft=lora`), the forget/retain overlap check and the method options recorded in each checkpoint."""
+    """Wrap the loaders of the running framework script (`module`: train.py or eval.py) for the run `cfg`."""
+    from palu_trainer.framework.lora import LoraSettings
+
     if getattr(module, PATCHED, False):
         return  # palu-train patches every run; a config's Hydra callback asks again
     setattr(module, PATCHED, True)
@@ -255,23 +240,9 @@ def patch_framework_script(module, cfg) -> None:
     )
     training = hasattr(module, "load_trainer")
     if training and cfg.get("peft") is not None:
-        get_model = with_adapters(get_model, cfg.peft)
+        get_model = with_adapters(get_model, LoraSettings.from_config(cfg.peft))
         module.load_trainer = training_with_adapters(module.load_trainer)
     module.get_model = stopping_on_bad_input(get_model)
     if training:
         module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
         module.load_trainer = recording_options(module.load_trainer, cfg)
-
-
-def recording_options(load_trainer, cfg):
-    """The framework's `load_trainer`, whose checkpoints record the run's method options (`run_options`),
-    which a resume compares (`checks.resume_options_problem`)."""
-    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord, run_options
-
-    @functools.wraps(load_trainer)
-    def load(*args, **kwargs):
-        trainer, trainer_args = load_trainer(*args, **kwargs)
-        trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, run_options(cfg)))
-        return trainer, trainer_args
-
-    return load

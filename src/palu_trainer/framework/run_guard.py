@@ -1,24 +1,11 @@
-"""The guard on a training run, for what only shows during training. PALU's and TPO's trainers attach it
-themselves (`protect_run`), so it holds under the framework's own `src/train.py`; palu-train attaches it to
-the stock trainers too.
+"""The guard on a training run (docs/operations.md): divergence (a non-finite loss, gradient norm or weight)
+and failed saves stop the run and mark its folder failed (`FAILED_RUN_FILE`); SIGTERM or a first Ctrl-C
+writes a resumable checkpoint and exits with 128 + the signal; `training.run_plan` checks before the first
+step. PALU's and TPO's trainers attach it themselves (`protect_run`), so it holds under the framework's own
+`src/train.py`; palu-train attaches it to the stock trainers too.
 
-- Divergence: a non-finite loss (any micro-batch), gradient norm (each step) or weight (before each save)
-  stops the run at that step. Nothing is saved as the final model; the output folder is marked failed
-  (`FAILED_RUN_FILE`), which palu-eval and palu-train refuse, and the message names the step, the term and
-  what to lower.
-- A failed save (disk full): the partial checkpoint or final model is removed, the folder marked failed.
-- Preemption: on SIGTERM, or a first SIGINT (Ctrl-C), the current step finishes, a resumable checkpoint is
-  written, and the run exits with 128 + the signal (143, 130), printing the command that resumes it. A
-  second SIGINT stops at once.
-- Before the first step (`run_plan`): a run that trains nothing, an output folder too small for its saves,
-  a starting model or reference with non-finite weights; an earlier run's failure mark is cleared.
-
-A stop is a `RunStopped`: a SystemExit with the run's exit code whose message is printed when it is raised,
-so that the framework's Hydra app (which reports any Exception with a traceback) exits with the message alone.
-
-The checks hook into the trainer instance (its `training_step`, step-end `_maybe_log_save_evaluate`,
-`save_model`, `_save_checkpoint` and `train`), so they hold for PALU, TPO and every stock trainer. Under
-several processes each step's verdict is agreed by one all-reduce of two flags, so all ranks stop together.
+The checks hook into the trainer instance, so they hold for every trainer. Under several processes each
+step's verdict is agreed by one all-reduce, so all ranks stop together.
 """
 
 import json
@@ -33,11 +20,22 @@ from pathlib import Path
 import torch
 
 from palu_trainer.framework.stack import rotate_checkpoints
-from palu_trainer.framework.stale_weights import FINAL_WEIGHTS, remove_stale_weights
+from palu_trainer.training.run_plan import (
+    ALLOW_LOW_DISK,
+    disk_space_problem,
+    empty_epoch_problem,
+    zero_learning_rate_problem,
+)
 
 logger = logging.getLogger(__name__)
 
 FAILED_RUN_FILE = "palu_run_failed.json"
+FINAL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*.safetensors",
+    "pytorch_model*.bin",
+)
 STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
@@ -45,7 +43,8 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 class RunStopped(SystemExit):
     """The run stopped before its end on purpose; the message (printed to stderr when raised, prefixed with
-    the program: palu-train, train.py) says why and what to do next."""
+    the program) says why and what to do next. A SystemExit, so that the framework's Hydra app (which reports
+    any Exception with a traceback) exits with the message alone."""
 
     def __init__(self, message: str, exit_code: int = 1, program: str | None = None):
         super().__init__(exit_code)
@@ -56,16 +55,25 @@ class RunStopped(SystemExit):
         return self.message
 
 
-def failed_run(folder) -> dict | None:
-    """The failure record of a run folder that `RunGuard` marked, else None."""
-    path = Path(folder) / FAILED_RUN_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+def final_weights(folder) -> list[str]:
+    return sorted({path.name for pattern in FINAL_WEIGHTS for path in Path(folder).glob(pattern)})
+
+
+def remove_stale_weights(output_dir: str) -> list[str]:
+    """Delete an earlier run's final weights from `output_dir` before training into it: the framework writes
+    them only after the last step, so an interrupted run would leave the old model beside its new
+    checkpoints, looking finished."""
+    stale = final_weights(output_dir)
+    for name in stale:
+        (Path(output_dir) / name).unlink()
+    return stale
 
 
 def failed_run_problem(key: str, folder) -> str | None:
-    record = failed_run(folder)
-    if record is None:
+    path = Path(folder) / FAILED_RUN_FILE
+    if not path.is_file():
         return None
+    record = json.loads(path.read_text())
     return (
         f"{key}={folder} is a failed run's folder ({FAILED_RUN_FILE}: {record['reason']} at step "
         f"{record['step']}); it holds no finished model. {record.get('next', '')}".rstrip()
@@ -78,10 +86,6 @@ def finite(value) -> bool:
     if isinstance(value, torch.Tensor):
         return bool(torch.isfinite(value).all())
     return math.isfinite(value)
-
-
-def number(value) -> str:
-    return f"{float(value):.4g}" if value is not None else "not computed"
 
 
 def hydra_command() -> tuple[list[str], list[str]]:
@@ -99,7 +103,7 @@ def hydra_command() -> tuple[list[str], list[str]]:
 
 def protect_run(trainer, argv: list[str] | None = None) -> "RunGuard":
     """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
-    scripts) with the running Hydra app's. An override `allow_low_disk_space=true` skips the disk check."""
+    scripts) with the running Hydra app's."""
     guard = getattr(trainer, "run_guard", None)
     if guard is None:
         command, arguments = (["palu-train"], argv) if argv is not None else hydra_command()
@@ -109,11 +113,9 @@ def protect_run(trainer, argv: list[str] | None = None) -> "RunGuard":
 
 class RunGuard:
     """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
-    command. The SIGTERM and SIGINT handlers are installed while `train` runs."""
+    command. An override `allow_low_disk_space=true` skips the disk check."""
 
     def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
-        from palu_trainer.framework.run_plan import ALLOW_LOW_DISK
-
         self.trainer = trainer
         self.argv = list(argv)
         self.command = list(command)
@@ -135,23 +137,13 @@ class RunGuard:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.preempted_by = self.preempted_by or signal.Signals(signum)
         again = " (Ctrl-C again stops at once, with no checkpoint)" if signum == signal.SIGINT else ""
-        print(
-            f"{self.program}: {signal.Signals(signum).name}: finishing this step, then writing a "
-            f"checkpoint{again}",
-            file=sys.stderr,
-            flush=True,
-        )
+        message = f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint{again}"
+        print(f"{self.program}: {message}", file=sys.stderr, flush=True)
 
     def check_plan(self) -> None:
         """Refuse a run that would train nothing or could not save, before its first step (the message alone,
         under the framework's train.py too); clear an earlier run's failure mark and final weights, which the
         config check (`checks.finished_folder_problem`) let through only when asked to overwrite or resume."""
-        from palu_trainer.framework.run_plan import (
-            disk_space_problem,
-            empty_epoch_problem,
-            zero_learning_rate_problem,
-        )
-
         checks = [empty_epoch_problem, zero_learning_rate_problem, self._nonfinite_start_problem]
         for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
             problem = check(self.trainer)
@@ -207,7 +199,7 @@ class RunGuard:
     def _what_diverged(self, grad_norm) -> str:
         if self.nonfinite_loss is None:
             if not finite(grad_norm):
-                return f"the gradient norm is {number(grad_norm)} (every micro-batch's loss was finite)"
+                return f"the gradient norm is {float(grad_norm):.4g} (every micro-batch's loss was finite)"
             return "another process's loss went non-finite"
         step, loss, terms = self.nonfinite_loss
         named = [name for name, value in terms.items() if not math.isfinite(value)]

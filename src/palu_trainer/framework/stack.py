@@ -1,13 +1,8 @@
-"""The framework-and-transformers stack this process runs on: what it supports, detected, never pinned.
-
-Three framework states are tested (docs/setup.md): open-unlearning at d3d7cf9 with transformers 4.45.1,
-upstream main after its PR #175 (4ad738a) with transformers 4.51.3, and its PR #191 (c3301d8) with
-transformers 5.5.4. The first two differ in what a trainer sees: #175's
-`load_trainer` passes `processing_class=` to `Trainer.__init__` (transformers 4.46 added it), the 4.51
-Trainer calls `compute_loss(..., num_items_in_batch=)` and `log(logs, start_time)`, and the forward's
-keyword that keeps the last positions' logits is `logits_to_keep` (4.50) where it was `num_logits_to_keep`.
-Every such difference is read off the installed code here, so a newer release that keeps an interface
-keeps working, and a combination that cannot work is named with its fix before anything loads.
+"""The framework-and-transformers stack this process runs on, detected, never pinned. The tested framework
+states (docs/setup.md) differ in what a trainer sees: `processing_class=` (transformers 4.46),
+`compute_loss(..., num_items_in_batch=)`, `logits_to_keep` (4.50) where it was `num_logits_to_keep`. Each
+difference is read off the installed code, so a newer release that keeps an interface keeps working, and a
+combination that cannot work is named with its fix before anything loads.
 """
 
 import inspect

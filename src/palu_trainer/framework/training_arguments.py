@@ -1,10 +1,5 @@
 """The Trainer's numeric and named arguments (`trainer.args.*`) and the settings that train nothing, checked
-on the composed config before anything loads.
-
-transformers accepts some of these values and fails later with a `ZeroDivisionError` or a bare torch
-`ValueError` (after the model has loaded); others it accepts and trains on silently (`learning_rate=0`,
-`num_train_epochs=0`): each gets a sentence naming the option, the range and why.
-"""
+on the composed config before anything loads."""
 
 from typing import Any
 
@@ -15,7 +10,7 @@ from palu_trainer.validation import Checked, Integer, Number, Options, did_you_m
 
 
 def transformers_choices() -> dict[str, list[str]]:
-    """trainer.args options that name one of transformers' choices -> the installed version's choices."""
+    """trainer.args options that name one of transformers' choices -> the installed version's."""
     from transformers.trainer_utils import IntervalStrategy, SchedulerType
     from transformers.training_args import OptimizerNames
 
@@ -55,10 +50,9 @@ def TransformersChoice(name: str) -> Any:
 
 
 class TrainerArguments(Options):
-    """The `trainer.args` that transformers accepts and then fails on, after the model has loaded (a
-    `ZeroDivisionError`, a bare torch `ValueError`), or trains on silently (`learning_rate=0`,
-    `num_train_epochs=0`); the framework's own `warmup_epochs` too (it becomes warmup_steps). The rest of
-    `trainer.args` is transformers' to check."""
+    """The `trainer.args` that transformers accepts and then fails on after the model has loaded (a
+    `ZeroDivisionError`, a bare torch `ValueError`) or trains on silently (`learning_rate=0`), and the
+    framework's `warmup_epochs`; the rest is transformers' to check."""
 
     model_config = ConfigDict(extra="ignore")
     OWNER = "the Trainer"
@@ -119,35 +113,28 @@ def training_arguments_problem(cfg, script) -> str | None:
     return None
 
 
-def forget_weight_problem(cfg, script) -> str | None:
-    """gamma = 0 with no retain term: the loss is 0 at every step, and the original model is saved."""
+def forget_weight_problem(cfg, script, warn: bool = False) -> str | None:
+    """gamma = 0. With no retain term the loss is 0 at every step and the original model is saved (refused);
+    with one, a real control run (retain-only fine-tuning) that unlearns nothing (`warn`: warned about)."""
     options = cfg.trainer.get("method_args") or {}
-    gamma, alpha = options.get("gamma"), options.get("alpha")
-    if gamma != 0 or alpha is None:
+    alpha, no_retain_loss = options.get("alpha"), options.get("retain_loss_type") == "none"
+    if options.get("gamma") != 0:
         return None
-    if alpha == 0 or options.get("retain_loss_type") == "none":
-        retain = "alpha=0" if alpha == 0 else "retain_loss_type=none"
-        return (
-            f"trainer.method_args.gamma=0 with {retain}: every term of the loss has weight 0, so the run "
-            "trains nothing and saves the original model under the unlearned name. gamma weighs the forget "
-            "terms and alpha the retain loss: give gamma > 0 (the stock configs use 1.0)"
-        )
-    return None
-
-
-def forget_weight_warning(cfg, script) -> str | None:
-    """gamma = 0 with a retain term: a real control run (retain-only fine-tuning) that unlearns nothing."""
-    options = cfg.trainer.get("method_args") or {}
-    if (
-        options.get("gamma") == 0
-        and options.get("alpha", 0) != 0
-        and options.get("retain_loss_type") != "none"
-    ):
+    if warn:
+        if options.get("alpha", 0) == 0 or no_retain_loss:
+            return None
         return (
             "trainer.method_args.gamma=0: the forget terms have weight 0, so this run only fine-tunes on the "
             "retain set and unlearns nothing (a control run); give gamma > 0 to unlearn"
         )
-    return None
+    if alpha is None or not (alpha == 0 or no_retain_loss):
+        return None
+    retain = "alpha=0" if alpha == 0 else "retain_loss_type=none"
+    return (
+        f"trainer.method_args.gamma=0 with {retain}: every term of the loss has weight 0, so the run "
+        "trains nothing and saves the original model under the unlearned name. gamma weighs the forget "
+        "terms and alpha the retain loss: give gamma > 0 (the stock configs use 1.0)"
+    )
 
 
 def no_training_warning(cfg, script) -> str | None:

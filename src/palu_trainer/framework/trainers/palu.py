@@ -6,10 +6,8 @@ import torch
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.lora import adapters_disabled, base_model
-from palu_trainer.framework.projection import logit_projection
 from palu_trainer.framework.stack import logits_to_keep_keyword
 from palu_trainer.framework.trainers.guarded import GuardedGradDiff
-from palu_trainer.framework.vocabulary import reachable_vocab_size
 from palu_trainer.method.chunking import ProjectionCalls, chunk_count, logit_chunk_rows
 from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.objective import PALUTerms, term_gradient_norms
@@ -23,6 +21,8 @@ from palu_trainer.method.reference_cache import (
     estimated_nbytes,
 )
 from palu_trainer.method.roles import count_roles, forget_rows, label_positions
+from palu_trainer.training.projection import logit_projection
+from palu_trainer.training.vocabulary import reachable_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,7 @@ class PALUTrainer(GuardedGradDiff):
     NLL: label positions), a chunk at a time under activation checkpointing, for the models whose logits
     `projection.logit_projection` reproduces; other models hand their full logits to the same losses.
     The reference's targets come from a cache built before the first step (`reference_cache`), or from a
-    frozen reference model every step.
-
-    Token roles come with the forget batches (`token_roles`, fixed by the forget dataset's initiating
-    policy: QAwithSpansDataset and DataCollatorWithTokenRoles).
+    frozen reference model every step. Token roles come with the forget batches (`token_roles`).
     """
 
     options_type = PALUOptions
@@ -56,7 +53,8 @@ class PALUTrainer(GuardedGradDiff):
         self._term_gradient_norms: dict[str, float] = {}
         self._check_forget_batches(options.merge_adjacent_spans)
         vocab_size = self.model.config.vocab_size
-        top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, self._tokenizer()))
+        tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, tokenizer))
         self.objective = options.objective(top_k, chunk_rows=logit_chunk_rows(vocab_size))
         self.reference_cache_dtype = CACHE_DTYPES[options.reference_cache_dtype]
         self.reference_cache_top_m = min(options.reference_cache_top_m, vocab_size)  # |V|: the exact KL
@@ -69,7 +67,7 @@ class PALUTrainer(GuardedGradDiff):
         self._term_batches = 0
 
     def _log_projection(self) -> bool:
-        """Whether logits are projected at the loss positions only (logged, with why not)."""
+        """Whether logits are projected at the loss positions only (logged, or why not)."""
         projection, how = logit_projection(self.model)
         self.logits_to_keep = logits_to_keep_keyword(base_model(self.accelerator.unwrap_model(self.model)))
         if projection is None:
@@ -86,9 +84,6 @@ class PALUTrainer(GuardedGradDiff):
                 "logits at the loss positions only (%s=1 in the forward): %s", self.logits_to_keep, how
             )
         return projection is not None
-
-    def _tokenizer(self):
-        return getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
 
     def _check_forget_batches(self, merge_adjacent_spans):
         forget = getattr(self.train_dataset, "forget", None)

@@ -11,11 +11,8 @@ from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation
 class TPOTrainer(GuardedGradDiff):
     """loss = gamma·(LPL + PL) + alpha·retain (released: all weights 1, retain NLL).
 
-    Its options (`trainer.method_args`) are `TPOOptions`: β of the logit preference loss (released TOFU
-    config: 0.32) and GradDiff's.
-
-    Sensitive tokens are the forget batches' span tokens (`token_roles` INITIATING or REDUNDANT: N plays
-    no part); common tokens get the preservation loss. The reference is a frozen copy of the model.
+    Its options (`trainer.method_args`) are `TPOOptions`. Sensitive tokens are the forget batches' span
+    tokens (`token_roles` INITIATING or REDUNDANT: N plays no part); common tokens get the preservation loss.
     """
 
     options_type = TPOOptions

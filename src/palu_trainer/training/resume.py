@@ -1,5 +1,5 @@
 """Which checkpoint `trainer.args.resume_from_checkpoint` names, refused before anything loads if it cannot
-resume this run."""
+resume this run; what torch >= 2.6 must allow for transformers 4.45 to resume one."""
 
 import json
 from pathlib import Path
@@ -98,3 +98,19 @@ def resumed_model_problem(checkpoint: str | None, model_path: str | None) -> str
             "the model unlearning started from (the reference)"
         )
     return None
+
+
+def allow_numpy_rng_state() -> None:
+    """Let transformers 4.45 read a checkpoint's `rng_state.pth` under torch >= 2.6, whose `torch.load`
+    defaults to weights_only=True and rejects the numpy RNG state the Trainer saved (later transformers
+    allowlist these same numpy types)."""
+    import numpy
+    import torch
+
+    numpy_types = [
+        numpy._core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+        type(numpy.dtype(numpy.uint32)),
+    ]
+    torch.serialization.add_safe_globals(numpy_types)

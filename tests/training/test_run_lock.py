@@ -1,5 +1,6 @@
 """One run per output folder (issue 62 row 1): the lock file, a live holder refused and named, a dead one's
-lock taken over, only RANK 0 locking, and the lock gone when the process exits."""
+lock taken over, only RANK 0 locking, and the lock gone when the process exits; through both entry points:
+tests/framework/test_framework_entry_point.py."""
 
 import json
 import logging
@@ -7,14 +8,8 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
-import pytest
-
-from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.run_lock import LOCK_FILE, take_output_folder
-
-from .test_framework_entry_point import environment, framework_command, train_through
+from palu_trainer.training.run_lock import LOCK_FILE, take_output_folder
 
 
 def dead_pid() -> int:
@@ -60,44 +55,10 @@ def test_only_the_main_process_locks_and_the_lock_goes_with_the_process(tmp_path
     monkeypatch.setenv("RANK", "1")
     assert take_output_folder(tmp_path) is None and not (tmp_path / LOCK_FILE).exists()
     script = (
-        "import sys, pathlib; from palu_trainer.framework.run_lock import take_output_folder, LOCK_FILE; "
+        "import sys, pathlib; from palu_trainer.training.run_lock import take_output_folder, LOCK_FILE; "
         "assert take_output_folder(sys.argv[1]) is None; "
         "assert (pathlib.Path(sys.argv[1]) / LOCK_FILE).is_file()"
     )
     monkeypatch.setenv("RANK", "0")
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
     assert not (tmp_path / LOCK_FILE).exists()
-
-
-@pytest.mark.slow(minutes=1.5)
-@pytest.mark.stack
-def test_two_runs_into_one_folder_through_both_entry_points(tmp_path, tiny_model_dir, tofu_mirror):
-    out = tmp_path / "run"
-    long_run = framework_command(tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=5000"])
-    first = subprocess.Popen(
-        [sys.executable, "src/train.py", *long_run],
-        cwd=checkout_dir(), env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while not (out / LOCK_FILE).is_file() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        second = train_through("palu-train", framework_command(tofu_mirror, tiny_model_dir, out, []))
-        assert first.poll() is None  # the first run still trains
-        output = second.stdout + second.stderr
-        assert second.returncode == 1, output[-3000:]
-        assert (
-            f"palu-train: paths.output_dir={out} is in use by another run (process {first.pid} on" in output
-        )
-        assert "PALUTrainer Trainer loaded" not in output
-    finally:
-        first.kill()
-        first.wait()
-    assert json.loads((out / LOCK_FILE).read_text())["pid"] == first.pid  # killed: its lock stays
-    again = train_through(
-        "src/train.py", framework_command(tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=2"])
-    )
-    output = again.stdout + again.stderr
-    assert again.returncode == 0, output[-3000:]
-    assert f"took over {out / LOCK_FILE} from a run that is gone (process {first.pid} on" in output
-    assert (out / "model.safetensors").is_file() and not (out / LOCK_FILE).exists()
