@@ -24,12 +24,11 @@ from pathlib import Path
 import yaml
 
 from palu_lab import smollm2
+from palu_lab.benchmarks.dataset_folders import TofuBenchmark, read_jsonl
 from palu_lab.benchmarks.muse_subset import make_muse_subset
 from palu_lab.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_lab.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
 from palu_lab.tiny import save_tiny_model
-from palu_trainer.benchmarks.hf_dir import read_jsonl
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
 from palu_trainer.experiments.methods import METHODS

@@ -5,10 +5,14 @@ methods: their hub datasets and local mirrors, splits, experiment configs, evalu
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from palu_trainer.benchmarks.tofu_format import tofu_splits
 from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import muse_overrides, tofu_overrides
 from palu_trainer.framework.local_mirrors import LOCAL_MIRRORS
+
+
+def tofu_splits(forget_percent: int) -> tuple[str, str, str]:
+    """TOFU's forget, retain and holdout configs for forgetting `forget_percent`% of its authors."""
+    return f"forget{forget_percent:02d}", f"retain{100 - forget_percent:02d}", f"holdout{forget_percent:02d}"
 
 
 @dataclass(frozen=True, kw_only=True)
