@@ -265,7 +265,7 @@ def eval_command(out: Path, size: CheckSize, cpu: bool, attention: str) -> list[
     forget, _, holdout = SPLITS
     return [
         *launch.command("palu-eval"),
-        f"experiment={TOFU.tiny_eval_experiment}",
+        "experiment=eval/tofu/tiny",
         *model_overrides(out / "runs" / slug(EVALUATED)),
         f"forget_split={forget}",
         f"holdout_split={holdout}",

@@ -449,7 +449,7 @@ class Stages:
         return overrides + list(self.size.training_overrides if training else ())
 
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
-        experiment = self.facts.tiny_finetune_experiment
+        experiment = f"finetune/{self.facts.name.lower()}/tiny"  # the plugin's, for `model=tiny-llama`
         batch = self.size.finetune_batch_size
         overrides = [
             f"experiment={experiment}",
@@ -490,7 +490,7 @@ class Stages:
         weights may be deleted once evaluated).
         """
         retain_logs = retain_eval.result() if retain_eval is not None else None
-        experiment = self.facts.tiny_eval_experiment
+        experiment = f"eval/{self.facts.name.lower()}/tiny"
         batch = self.size.eval_batch_size
         overrides = [
             f"experiment={experiment}",

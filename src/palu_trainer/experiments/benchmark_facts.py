@@ -2,11 +2,9 @@
 methods: their hub datasets and local mirrors, splits, experiment configs, evaluation files and scorecards.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import muse_overrides, tofu_overrides
+from palu_trainer.experiments import methods, report
 from palu_trainer.framework.local_mirrors import LOCAL_MIRRORS
 
 
@@ -25,14 +23,12 @@ class BenchmarkFacts:
     splits: subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout
         splits.
     scorecard: what the report reads of the evaluation's file, selects by and plots.
-    method_overrides: a method's experiment and trainer overrides on this benchmark (`methods.METHODS`).
     """
 
     name: str
     hub_id: str
     splits: dict[str, tuple[str, str, str]]
     scorecard: report.Scorecard
-    method_overrides: Callable[[str], list[str]]
 
     @property
     def eval_experiment(self) -> str:
@@ -40,18 +36,12 @@ class BenchmarkFacts:
         return f"eval/{self.name.lower()}/default"
 
     @property
-    def tiny_finetune_experiment(self) -> str:
-        """This plugin's finetuning of a small local model (`model=tiny-llama`: the miniature, gpu-check)."""
-        return f"finetune/{self.name.lower()}/tiny"
-
-    @property
-    def tiny_eval_experiment(self) -> str:
-        return f"eval/{self.name.lower()}/tiny"
-
-    @property
     def eval_file(self) -> str:
         """What the evaluator writes to the evaluation's output folder."""
         return f"{self.name}_EVAL.json"
+
+    def method_overrides(self, method: str) -> list[str]:
+        return methods.method_overrides(method, self.name.lower())
 
     def hub(self, subset: str) -> str:
         return self.hub_id.format(subset=subset)
@@ -66,14 +56,12 @@ TOFU = BenchmarkFacts(
     hub_id="locuslab/TOFU",
     splits={f"{percent:02d}": tofu_splits(percent) for percent in (1, 5, 10)},
     scorecard=report.TOFU,
-    method_overrides=tofu_overrides,
 )
 MUSE = BenchmarkFacts(
     name="MUSE",
     hub_id="muse-bench/MUSE-{subset}",
     splits={corpus: ("forget", "retain1", "holdout") for corpus in ("News", "Books")},
     scorecard=report.MUSE,
-    method_overrides=muse_overrides,
 )
 BENCHMARKS = {"tofu": TOFU, "muse": MUSE}
 # What experiment=unlearn/muse/* and eval=muse load: config -> splits

@@ -162,19 +162,14 @@ def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, 
     )
 
 
-def tofu_overrides(name: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on TOFU (spans and idk answers are added by
-    the caller)."""
+def method_overrides(name: str, bench: str) -> list[str]:
+    """The experiment and trainer overrides that run method `name` on `bench` (tofu or muse); spans and "I
+    don't know" answers are the caller's."""
     method = METHODS[name]
-    return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
-
-
-def muse_overrides(name: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on MUSE (spans are added by the caller)."""
-    method = METHODS[name]
-    if method.muse_experiment is None:
+    experiment = method.tofu_experiment if bench == "tofu" else method.muse_experiment
+    if experiment is None:
         raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
-    return [f"experiment={method.muse_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
+    return [f"experiment={experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
 
 
 def tuning_grid(

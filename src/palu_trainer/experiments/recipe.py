@@ -81,11 +81,8 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
     """
     configured = model_config(model).get("model_args", {}).get("attn_implementation")
     wanted = configured if requested == "auto" else requested
-    if wanted != "flash_attention_2":
+    if wanted != "flash_attention_2" or (problem := flash_attention_problem()) is None:
         return (None if wanted == configured else wanted), [], []
-    problem = flash_attention_problem()
-    if problem is None:
-        return (None if configured == wanted else wanted), [], []
     if requested == "flash_attention_2":
         problem = (
             f"attn_implementation=flash_attention_2 asked for, but {problem}: run `{FLASH_ATTN_INSTALL}` "
@@ -180,20 +177,10 @@ class RecipeSettings:
     def describe(self) -> str:
         return f"{self.facts.name} {self.splits[0]}"
 
-    def method_overrides(self, method: str) -> list[str]:
-        return self.facts.method_overrides(method)
-
     def data_overrides(self) -> list[str]:
+        """What selects the data of the unlearning; the evaluation reads all of it but the retain split."""
         forget, retain, holdout = self.splits
         return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
-
-    def eval_overrides(self) -> list[str]:
-        forget, _, holdout = self.splits
-        return [
-            f"experiment={self.facts.eval_experiment}",
-            f"forget_split={forget}",
-            f"holdout_split={holdout}",
-        ]
 
     def dataset_problems(self, environ) -> list[str]:
         """Whether the runs can read the dataset: from its local mirror, if its variable is set, else the
@@ -246,9 +233,6 @@ class MuseRecipeSettings(RecipeSettings):
     def data_overrides(self) -> list[str]:
         return [f"data_split={self.forget}"]
 
-    def eval_overrides(self) -> list[str]:
-        return [f"experiment={self.facts.eval_experiment}", f"data_split={self.forget}"]
-
     def absent_from_mirror(self, available: dict[str, set[str]]) -> str:
         return ", ".join(
             f"{config}/{split}"
@@ -265,7 +249,7 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
     command = [
         *launcher,
         "--config-name=unlearn.yaml",
-        *settings.method_overrides(method),
+        *settings.facts.method_overrides(method),
         f"model={settings.model}",
         *settings.data_overrides(),
         f"task_name={settings.task_name(method)}",
@@ -290,12 +274,11 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
 
 def eval_command(settings: RecipeSettings, method: str) -> list[str]:
     saved = f"saves/unlearn/{settings.task_name(method)}"
-    eval_experiment, *data = settings.eval_overrides()
     return [
         *launch.command("palu-eval"),
-        eval_experiment,
+        f"experiment={settings.facts.eval_experiment}",
         f"model={settings.model}",
-        *data,
+        *(data for data in settings.data_overrides() if not data.startswith("retain_split=")),
         *settings.facts.scorecard.metric_overrides(cuda=True),
         f"task_name={settings.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
@@ -472,11 +455,9 @@ def write_comparison(
     unlearning seconds by task name."""
     shared = runs[0][1]  # benchmark, model and reference logs are every run's
     scorecard = shared.facts.scorecard
-    references = report.references(
-        report.run_from_eval(shared.original_logs_path, scorecard=scorecard),
-        report.run_from_eval(shared.retain_logs_path, scorecard=scorecard),
-        scorecard,
-    )
+    original = report.run_from_eval(shared.original_logs_path, scorecard=scorecard)
+    retain = report.run_from_eval(shared.retain_logs_path, scorecard=scorecard)
+    retain.metrics.update(scorecard.retain_by_definition)
     grids = {}
     for method, settings in runs:
         evaluated = report.run_from_eval(
@@ -486,15 +467,14 @@ def write_comparison(
             scorecard,
         )
         grids.setdefault(method, []).append(evaluated)
-    _, retain, _ = shared.splits
     budget = ", ".join(f"{method} {len(evaluated)}" for method, evaluated in grids.items())
     return report.write_report(
         out_dir,
-        references,
+        {"Original": original, "Retain": retain},
         grids,
         title=f"{shared.describe()}: {', '.join(grids)} on {shared.model}",
         notes=[
-            f"Retain: {shared.retain_logs_path} ({retain}); Original: {shared.original_logs_path}.",
+            f"Retain: {shared.retain_logs_path} ({shared.splits[1]}); Original: {shared.original_logs_path}.",
             f"Runs per method: {budget} (hyperparameters in the table of every run).",
         ],
         scorecard=scorecard,

@@ -379,17 +379,15 @@ def _is_predicate(tokens: Sequence[Token], start: int) -> bool:
     return bool(before) and before[-1] in COPULAS
 
 
-def question_words(question: str) -> set[str]:
-    """Stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")."""
-    parts = {part.lower() for part in re.findall(r"\w+", question)}
-    return parts | {token.stem for token in tokenize(question)}
-
-
 def annotate_answer(question: str, answer: str, background: Background) -> list[Span]:
     """Sensitive character spans `[start, end)` of one answer, sorted and disjoint."""
     if is_no_information(answer):
         return []
-    return _annotate_passage(answer, question_words(question), background, QA)
+    # stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")
+    asked = {part.lower() for part in re.findall(r"\w+", question)} | {
+        token.stem for token in tokenize(question)
+    }
+    return _annotate_passage(answer, asked, background, QA)
 
 
 def annotate_text(text: str, background: Background, style: Style = RAW_TEXT) -> list[Span]:

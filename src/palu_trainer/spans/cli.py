@@ -24,6 +24,7 @@ def main(argv=None) -> None:
     tpo = commands.add_parser("import-tpo", help="convert TPO-style span annotations (char offsets)")
     tpo.add_argument("tpo_file", help="JSON lines with `answer` and `spans: [{start, end}]`")
     tpo.add_argument("out_file", help="annotation file to write (span_annotations/ format)")
+    tpo.set_defaults(run=_run_import_tpo)
 
     annotate = commands.add_parser(
         "annotate", help="mark the sensitive spans of a QA dataset's answers, or of raw texts (--text-key)"
@@ -37,6 +38,7 @@ def main(argv=None) -> None:
     annotate.add_argument("--background-name", help="configuration of the background dataset")
     annotate.add_argument("--background-split", default="train")
     annotate.add_argument("--out", required=True, help="annotation file to write")
+    annotate.set_defaults(run=_run_annotate)
 
     score = commands.add_parser(
         "score", help="word-token and exact-span precision/recall/F1 of a candidate file against a reference"
@@ -44,14 +46,16 @@ def main(argv=None) -> None:
     score.add_argument("--reference", required=True, help="TPO-style file or annotation file")
     score.add_argument("candidate", help="TPO-style file or annotation file")
     _add_dataset_arguments(score, required=False)
+    score.set_defaults(run=_run_score)
 
     validate = commands.add_parser("validate", help="check an annotation file against its dataset")
     _add_dataset_arguments(validate, required=True)
     validate.add_argument("file", help="annotation file")
+    validate.set_defaults(run=_run_validate)
 
     args = parser.parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        args.run(args)
     except AnnotationError as error:
         parser.exit(1, f"palu-annotate {args.command}: {error}\n")
 
@@ -155,13 +159,6 @@ def _run_validate(args):
 
 # MUSE's evaluation configs: the annotator never reads them.
 EVALUATION_CONFIGS = ("knowmem", "verbmem", "privleak")
-
-COMMANDS = {
-    "import-tpo": _run_import_tpo,
-    "annotate": _run_annotate,
-    "score": _run_score,
-    "validate": _run_validate,
-}
 
 
 def _load_rows(dataset, name, split) -> list[dict]:
