@@ -1,8 +1,5 @@
-"""Local Hugging Face dataset folders: JSON lines files plus the hub README whose YAML lists the `configs`.
-
-`load_dataset(folder, name=config)` reads such a folder as it reads the hub repository; TOFU's local
-mirrors (`TOFU_DIR`) and the lab's generated benchmarks are all in this layout.
-"""
+"""Local Hugging Face dataset folders: JSON lines files plus the hub README whose YAML lists the `configs`,
+which `load_dataset(folder, name=config)` reads as it reads the hub repository (`TOFU_DIR`, `MUSE_DIR`)."""
 
 from pathlib import Path
 
@@ -10,11 +7,8 @@ import yaml
 
 
 def read_configs(directory: Path) -> dict[str, set[str]]:
-    """Config names a local dataset folder offers, with their splits, from its README's YAML header.
-
-    `data_files` as a path (or list of paths) is the single split `train`; as a list of
-    `{split, path}` entries (MUSE's layout), those splits.
-    """
+    """Config names a local dataset folder offers, with their splits, from its README's YAML header:
+    `data_files` as paths is the single split `train`; as `{split, path}` entries (MUSE's layout), those."""
     return {config["config_name"]: _splits(config.get("data_files")) for config in _config_entries(directory)}
 
 

@@ -15,29 +15,22 @@ def tofu_splits(forget_percent: int) -> tuple[str, str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchmarkFacts:
-    """How the framework runs one benchmark.
+    """How the framework runs one benchmark."""
 
-    name: as plans and reports call it, and the prefix of its evaluator's file (`TOFU_EVAL.json`);
-        lowercased, the folder of its experiment configs (`eval/tofu/default`).
-    hub_id: its dataset on the hub; `{subset}` stands for the subset's name.
-    splits: subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout
-        splits.
-    scorecard: what the report reads of the evaluation's file, selects by and plots.
-    """
-
+    # as plans and reports call it, and the prefix of its evaluator's file (`TOFU_EVAL.json`); lowercased, the
+    # folder of its experiment configs (`eval/tofu/default`)
     name: str
-    hub_id: str
+    hub_id: str  # its dataset on the hub; `{subset}` stands for the subset's name
+    # subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout splits
     splits: dict[str, tuple[str, str, str]]
-    scorecard: report.Scorecard
+    scorecard: report.Scorecard  # what the report reads of the evaluation's file, selects by and plots
 
     @property
-    def eval_experiment(self) -> str:
-        """The framework's stock evaluation."""
+    def eval_experiment(self) -> str:  # the framework's stock evaluation
         return f"eval/{self.name.lower()}/default"
 
     @property
-    def eval_file(self) -> str:
-        """What the evaluator writes to the evaluation's output folder."""
+    def eval_file(self) -> str:  # what the evaluator writes to the evaluation's output folder
         return f"{self.name}_EVAL.json"
 
     def method_overrides(self, method: str) -> list[str]:

@@ -37,9 +37,8 @@ HF_LOGIN = "huggingface-cli login"
 
 
 def framework_log(relative: str) -> str:
-    """An evaluation log the framework keeps under `saves/eval/`: here (relative to this directory), else in
-    the framework checkout, where its `python setup_data.py --eval_logs` downloads them; `relative` if in
-    neither (the check then names it)."""
+    """An evaluation log under `saves/eval/`: here, else in the framework checkout (where its `setup_data.py
+    --eval_logs` downloads them); `relative` if in neither (the check then names it)."""
     if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
         return str(checkout_dir() / relative)
     return relative
@@ -100,8 +99,7 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """One recipe invocation on TOFU (`MuseRecipeSettings`: on MUSE): split, model, GPUs and the swept
-    hyperparameters."""
+    """One recipe invocation on TOFU (`MuseRecipeSettings`: MUSE): split, model, GPUs, hyperparameters."""
 
     facts = TOFU
     forget: str  # the subset: a key of `facts.splits`
@@ -171,6 +169,11 @@ class RecipeSettings:
         """DPO's "I don't know" answers: where the framework's `setup_data.py --idk` puts them."""
         return self.idk_answers or str(checkout_dir() / "data" / "idk.jsonl")
 
+    @property
+    def attention_overrides(self) -> list[str]:
+        attention = self.attn_implementation
+        return [f"model.model_args.attn_implementation={attention}"] if attention else []
+
     def eval_path(self, method: str) -> Path:
         return Path("saves/unlearn") / self.task_name(method) / "evals" / self.facts.eval_file
 
@@ -183,8 +186,7 @@ class RecipeSettings:
         return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
 
     def dataset_problems(self, environ) -> list[str]:
-        """Whether the runs can read the dataset: from its local mirror, if its variable is set, else the
-        hub's cache or the hub."""
+        """Whether the runs can read the dataset: its local mirror if set, else the hub's cache or the hub."""
         hub_id, variable = self.facts.hub(self.forget), self.facts.mirror_variable(self.forget)
         if variable and environ.get(variable):
             absent = self.absent_from_mirror(read_configs(Path(environ[variable])))
@@ -259,7 +261,7 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
         f"trainer.args.gradient_accumulation_steps={accumulation}",
         f"trainer.args.learning_rate={settings.learning_rate}",
         "trainer.args.gradient_checkpointing=true",
-        *attention_overrides(settings),
+        *settings.attention_overrides,
     ]
     if settings.model_dir:
         command.append(f"model.tokenizer_args.pretrained_model_name_or_path={settings.model_dir}")
@@ -285,16 +287,8 @@ def eval_command(settings: RecipeSettings, method: str) -> list[str]:
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
         f"paths.output_dir={settings.eval_path(method).parent}",
         f"retain_logs_path={settings.retain_logs_path}",
-        *attention_overrides(settings),
+        *settings.attention_overrides,
     ]
-
-
-def attention_overrides(settings: RecipeSettings) -> list[str]:
-    return (
-        [f"model.model_args.attn_implementation={settings.attn_implementation}"]
-        if settings.attn_implementation
-        else []
-    )
 
 
 def missing_requirements(
@@ -360,11 +354,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.environ) -> str | None:
-    """Whether this machine can load `repo_id` (a model or tokenizer on the hub) without downloading it now:
-    None when `filename` is in the Hugging Face cache or the hub serves it to this machine's token (a HEAD
-    request for that one file: no weights move), else what is wrong and what to do. Gated repositories
-    (meta-llama/*: the framework's Llama configs load their tokenizer from there) need a login whose account
-    accepted the licence; offline, it fails at once."""
+    """None when `filename` of `repo_id` (a model or tokenizer) is in the Hugging Face cache or the hub serves
+    it to this machine's token (a HEAD request: no weights move), else what is wrong and what to do. Gated
+    repositories (meta-llama/*, the framework's Llama tokenizers) need a login that accepted the licence."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -581,13 +573,9 @@ def main(argv=None) -> None:
         needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
     )
     if problems:
-        print(
-            "\ncannot run the real recipe here:", *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr
-        )
-        print(
-            "On a CPU-only or offline machine, `make demo` runs the offline miniature instead.",
-            file=sys.stderr,
-        )
+        listed = "".join(f"\n  - {problem}" for problem in problems)
+        offline = "On a CPU-only or offline machine, `make demo` runs the offline miniature instead."
+        print(f"\ncannot run the real recipe here:{listed}\n{offline}", file=sys.stderr)
         sys.exit(2)
     if gpus > 1:
         launch.write_accelerate_config(accelerate_dir, gpus)

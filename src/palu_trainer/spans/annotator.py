@@ -202,20 +202,18 @@ class Background:
             tokens = tokenize(text)
             self.document_frequency.update({token.stem for token in tokens if token.is_word})
             for position, token in enumerate(tokens):
-                if token.is_word:
-                    previous = tokens[position - 1].text.lower() if position else "."
-                    following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
-                    self._count(token, previous, following)
-
-    def _count(self, token: Token, previous: str, following: str):
-        stem = token.stem
-        if previous not in ".!?:\"“'":
-            if token.text[0].islower():
-                self.lowercase_uses[stem] += 1
-            elif token.text[0].isupper():
-                self.capitalised_mid_sentence[stem] += 1
-        self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
-        self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
+                if not token.is_word:
+                    continue
+                stem = token.stem
+                previous = tokens[position - 1].text.lower() if position else "."
+                following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
+                if previous not in ".!?:\"“'":
+                    if token.text[0].islower():
+                        self.lowercase_uses[stem] += 1
+                    elif token.text[0].isupper():
+                        self.capitalised_mid_sentence[stem] += 1
+                self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
+                self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
 
     def specificity(self, stem: str) -> float:
         """Decades of rarity: -log10 of the share of background documents that contain the word."""
@@ -384,8 +382,8 @@ def annotate_answer(question: str, answer: str, background: Background) -> list[
     if is_no_information(answer):
         return []
     # stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")
-    asked = {part.lower() for part in re.findall(r"\w+", question)} | {
-        token.stem for token in tokenize(question)
+    asked = {word.stem for word in tokenize(question)} | {
+        part.lower() for part in re.findall(r"\w+", question)
     }
     return _annotate_passage(answer, asked, background, QA)
 
@@ -434,10 +432,8 @@ def _annotate_passage(passage: str, asked: set[str], background: Background, sty
 def _fact_bounds(
     tokens: Sequence[Token], kinds: Sequence[str], phrase: Sequence[int]
 ) -> tuple[int, int] | None:
-    """First and last position of the fact in a phrase, without opening praise or a closing person noun.
-
-    None when nothing else is left ("renowned author").
-    """
+    """First and last position of the fact in a phrase, without opening praise or a closing person noun; None
+    when nothing else is left ("renowned author")."""
     first, last = phrase[0], phrase[-1]
     while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
         first += 1
@@ -473,12 +469,9 @@ def _runs(kinds: Sequence[str]) -> list[list[int]]:
 
 
 def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
-    """Split a run into names and lowercase words, drop the subject's name and the words qualifying a name.
-
-    A name whose words the question has is dropped when it ends the run or is possessive; lowercase words
-    right before a name qualify it ("prestigious Maple Leaf Literary Award") and are dropped. A possessive
-    ends its phrase ("University of Karachi's | Department of Geology").
-    """
+    """Split a run into names and lowercase words; drop a name the question has where it ends the run or is
+    possessive, and lowercase words right before a name, which qualify it ("prestigious Maple Leaf Literary
+    Award"). A possessive ends its phrase ("University of Karachi's | Department of Geology")."""
     parts: list[tuple[bool, list[int]]] = []
     for position in run:
         is_name = kinds[position] in (NAME, NUMBER, JOINER)

@@ -100,9 +100,9 @@ def _run_annotate(args):
 
     _check_out(args.out, "--out")
     rows = _dataset_rows(args)
-    background_rows = rows
-    if args.background:
-        background_rows = _load_rows(args.background, args.background_name, args.background_split)
+    background_rows = (
+        _load_rows(args.background, args.background_name, args.background_split) if args.background else rows
+    )
     if args.text_key:
         for dataset, name in ((args.dataset, args.name), (args.background, args.background_name)):
             if name in EVALUATION_CONFIGS:
@@ -121,9 +121,8 @@ def _run_annotate(args):
         texts = [row[args.answer_key] for row in rows]
     write_annotations(args.out, texts, spans, field=_field(args))
     empty = sum(not row_spans for row_spans in spans)
-    density = sum(end - start for row_spans in spans for start, end in row_spans) / max(
-        sum(map(len, texts)), 1
-    )
+    in_spans = sum(end - start for row_spans in spans for start, end in row_spans)
+    density = in_spans / max(sum(map(len, texts)), 1)
     print(
         f"wrote {len(rows)} rows ({empty} without spans, {density:.1%} of characters in spans) to {args.out}"
     )

@@ -27,10 +27,7 @@ def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
 
 
 def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
-    """Convert TPO-style annotations to this format; overlapping or touching spans are merged.
-
-    Returns the number of rows written.
-    """
+    """Convert TPO-style annotations to this format, overlapping or touching spans merged; rows written."""
     if Path(out_path).resolve() == Path(tpo_path).resolve():
         raise AnnotationError(
             f"{out_path}: the output is the input file; writing it would overwrite the TPO annotations. "
