@@ -6,8 +6,8 @@ installed."""
 
 import argparse
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -17,28 +17,12 @@ RESULTS_HEADING = "### Unlearning on a real pretrained model at the paper's budg
 KIT_DIR = RESOURCES_DIR / "kit"  # the templates: README.md, run.sh, <name>.bib, contributions.yaml
 
 
-@dataclass(frozen=True)
-class Contribution:
-    name: str
-    title: str
-    authors: str
-    links: tuple[str, ...]
-    summary: str
-    experiment: str
-    knob: str  # the method_args key the grid sweeps
-    knob_grid: tuple[str, ...]
-    learning_rates: tuple[str, ...]
-    best: tuple[str, str]  # (learning rate, knob value): the trainer config's and the framework's defaults
-    setup: str
-
-
-def contributions() -> list[Contribution]:
-    entries = yaml.safe_load((KIT_DIR / "contributions.yaml").read_text())
+def contributions() -> list[SimpleNamespace]:
+    """One per method folder, from the kit's contributions.yaml: name, title, authors, links, summary, setup,
+    experiment; knob (the method_args key the grid sweeps), knob_grid, learning_rates; best (learning rate,
+    knob value: the trainer config's and the framework's defaults)."""
     return [
-        Contribution(
-            **{key: tuple(value) if isinstance(value, list) else value for key, value in entry.items()}
-        )
-        for entry in entries
+        SimpleNamespace(**entry) for entry in yaml.safe_load((KIT_DIR / "contributions.yaml").read_text())
     ]
 
 

@@ -1,10 +1,7 @@
-"""Paper-style summary of TOFU or MUSE evaluations: a Markdown table, a JSON file and a plot of utility (x)
-against forgetting (y), which a `Scorecard` names (TOFU, the default, or MUSE).
-
-Input is independent of how the models were made: per method, one or more runs, each an open-unlearning
-`TOFU_EVAL.json` (or `MUSE_EVAL.json`) plus wall time and hyperparameters; of a method's several runs (a
-learning-rate grid), the scorecard's selection rule picks one.
-"""
+"""Paper-style summary of TOFU or MUSE evaluations, however the models were made: a Markdown table, a JSON
+file and a plot of utility (x) against forgetting (y), from open-unlearning's `TOFU_EVAL.json` (or
+`MUSE_EVAL.json`) files, wall times and hyperparameters. A `Scorecard` (TOFU, the default, or MUSE) names
+those metrics and picks one of a method's several runs (a learning-rate grid)."""
 
 import json
 import math
@@ -277,10 +274,9 @@ def table(
     headers += ["wall time", "hyperparameters"] if details else []
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for name, run in rows.items():
-        # fluency is absent offline, and says why instead of a bare dash
-        missing = {"fluency": "needs hub"}
-        cells = [
-            format_value(run.metrics.get(key), pattern, missing.get(key, "—")) for key, _, pattern in columns
+        cells = [  # fluency is absent offline, and says why instead of a bare dash
+            format_value(run.metrics.get(key), pattern, "needs hub" if key == "fluency" else "—")
+            for key, _, pattern in columns
         ]
         if details:
             wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
@@ -347,10 +343,8 @@ def write_report(
     scorecard: Scorecard = TOFU,
 ) -> dict[str, Path]:
     """Write summary.md, summary.json and the plot (TOFU: mu_vs_fq.png) to `out_dir`; return their paths.
-
-    `references` must include "Original" (its utility anchors the selection rule);
-    `grids` maps each method to its runs; `extra` is stored as-is in the JSON (e.g. stage timings).
-    """
+    `references` must include "Original" (its utility anchors the selection rule); `grids`: method -> runs;
+    `extra` is stored as-is in the JSON (e.g. stage timings)."""
     original_utility = references["Original"].metrics[scorecard.utility] or 0.0
     selected = {method: select_run(runs, original_utility, scorecard) for method, runs in grids.items()}
     ranked = dict(

@@ -128,22 +128,18 @@ MIN_VERB_CONTEXTS = 2
 
 @dataclass(frozen=True)
 class Style:
-    """What kind of text is annotated: QA answers (TOFU) or raw prose (news articles)."""
+    """What kind of text is annotated: QA answers (TOFU; the defaults) or raw prose (news articles)."""
 
-    first_sentence_focus: bool  # later sentences elaborate on the first, which answers the question
-    amounts: bool  # currency signs and units join numbers
-    max_title_words: int | None  # quotations longer than this are speech, not titles (None: any length)
-    name_modifiers: bool  # a name or number takes the lowercase words after it ("Canadian literature")
-    phrase_threshold: float
+    first_sentence_focus: bool = True  # later sentences elaborate on the first, which answers the question
+    amounts: bool = False  # currency signs and units join numbers
+    max_title_words: int | None = (
+        None  # quotations longer than this are speech, not titles (None: any length)
+    )
+    name_modifiers: bool = True  # a name or number takes the lowercase words after it ("Canadian literature")
+    phrase_threshold: float = PHRASE_THRESHOLD
 
 
-QA = Style(
-    first_sentence_focus=True,
-    amounts=False,
-    max_title_words=None,
-    name_modifiers=True,
-    phrase_threshold=PHRASE_THRESHOLD,
-)
+QA = Style()
 # Set on the tuning part of benchmarks.synthetic_news only (README, "Raw text"); never on its held-out part.
 RAW_TEXT = Style(
     first_sentence_focus=False,

@@ -57,11 +57,9 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             raise AnnotationError(f"{path} line {line_number}: not JSON ({error})") from None
         if not isinstance(row, dict):
             raise AnnotationError(f"{path} line {line_number}: a {type(row).__name__}, not a JSON object")
-        missing = {"index", key, "spans"} - row.keys()
-        tpo_spans = isinstance(row.get("spans"), list) and all(
-            isinstance(span, dict) for span in row["spans"]
-        )
-        if missing and "answer" in row and tpo_spans:
+        missing, spans = {"index", key, "spans"} - row.keys(), row.get("spans")
+        tpo_style = "answer" in row and isinstance(spans, list) and all(isinstance(s, dict) for s in spans)
+        if missing and tpo_style:
             raise AnnotationError(
                 f"{path} line {line_number}: a TPO-style row (the answer with {{start, end}} spans), not "
                 f"this format (index, {key}, [start, end] spans): convert the file with "
