@@ -447,9 +447,11 @@ def write_comparison(
     unlearning seconds by task name."""
     shared = runs[0][1]  # benchmark, model and reference logs are every run's
     scorecard = shared.facts.scorecard
-    original = report.run_from_eval(shared.original_logs_path, scorecard=scorecard)
-    retain = report.run_from_eval(shared.retain_logs_path, scorecard=scorecard)
-    retain.metrics.update(scorecard.retain_by_definition)
+    references = report.references(
+        report.run_from_eval(shared.original_logs_path, scorecard=scorecard),
+        report.run_from_eval(shared.retain_logs_path, scorecard=scorecard),
+        scorecard,
+    )
     grids = {}
     for method, settings in runs:
         evaluated = report.run_from_eval(
@@ -462,7 +464,7 @@ def write_comparison(
     budget = ", ".join(f"{method} {len(evaluated)}" for method, evaluated in grids.items())
     return report.write_report(
         out_dir,
-        {"Original": original, "Retain": retain},
+        references,
         grids,
         title=f"{shared.describe()}: {', '.join(grids)} on {shared.model}",
         notes=[

@@ -235,6 +235,14 @@ def run_from_eval(
     return EvaluatedModel(metrics, wall_time_s, dict(params or {}), str(eval_json))
 
 
+def references(
+    original: EvaluatedModel, retain: EvaluatedModel, scorecard: Scorecard
+) -> dict[str, EvaluatedModel]:
+    """The report's reference rows, Retain with what it scores by definition."""
+    retain.metrics.update(scorecard.retain_by_definition)
+    return {"Original": original, "Retain": retain}
+
+
 def select_run(
     runs: Sequence[EvaluatedModel], original_utility: float, scorecard: Scorecard = TOFU
 ) -> EvaluatedModel:
