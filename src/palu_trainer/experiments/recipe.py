@@ -122,11 +122,10 @@ class RecipeSettings:
         return self.facts.splits[self.forget]
 
     def task_name(self, method: str) -> str:
-        suffix = f"_lr{self.learning_rate}" + (
-            f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
-        )
+        kl_weight = f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         variant = "".join(f"_{name}{value}" for name, value in self.variant) + ("_lora" if self.lora else "")
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.task_prefix}_{method}{suffix}{variant}")
+        name = f"{self.task_prefix}_{method}_lr{self.learning_rate}{kl_weight}{variant}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
     def params(self, method: str) -> dict:
         """The report's hyperparameters of this run of `method`."""
@@ -407,11 +406,10 @@ def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
 def method_runs(settings: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
     """(method, settings) of every run. `tune`: the equal budget, the paper's learning rates x the method's
     knob (methods.Knob; PALU's is λ); a method without a knob gets as many learning rates."""
+    if not tune:
+        return [(method, settings) for method in methods]
     runs = []
     for method in methods:
-        if not tune:
-            runs.append((method, settings))
-            continue
         for rate, params, extra in tuning_grid(method, PAPER_LEARNING_RATES, tune_knobs=True):
             knob = METHODS[method].knob
             if knob and knob.key == METHODS[method].kl_weight_key:
