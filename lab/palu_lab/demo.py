@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from palu_lab.benchmarks.dataset_folders import IDK_ANSWERS, TofuBenchmark
 from palu_lab.benchmarks.muse_subset import SYNTHETIC_ARTICLES
 from palu_lab.miniature import (
     MUSE_SIZES,
@@ -30,7 +31,6 @@ from palu_lab.miniature import (
     tofu_miniature,
     unlearning_run_name,
 )
-from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, TofuBenchmark
 from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import BENCHMARKS
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid

@@ -38,8 +38,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from palu_lab.benchmarks.dataset_folders import read_jsonl, write_configs_readme, write_jsonl
 from palu_lab.tiny import save_tiny_model
-from palu_trainer.benchmarks.hf_dir import read_configs, read_jsonl, write_configs_readme, write_jsonl
+from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem
@@ -264,7 +265,7 @@ def eval_command(out: Path, size: CheckSize, cpu: bool, attention: str) -> list[
     forget, _, holdout = SPLITS
     return [
         *launch.command("palu-eval"),
-        f"experiment={TOFU.tiny_eval_experiment}",
+        "experiment=eval/tofu/tiny",
         *model_overrides(out / "runs" / slug(EVALUATED)),
         f"forget_split={forget}",
         f"holdout_split={holdout}",

@@ -24,12 +24,11 @@ from pathlib import Path
 import yaml
 
 from palu_lab import smollm2
+from palu_lab.benchmarks.dataset_folders import TofuBenchmark, read_jsonl
 from palu_lab.benchmarks.muse_subset import make_muse_subset
 from palu_lab.benchmarks.synthetic_tofu import synthetic_benchmark
 from palu_lab.benchmarks.tofu_subset import TofuLayout, make_tofu_subset
 from palu_lab.tiny import save_tiny_model
-from palu_trainer.benchmarks.hf_dir import read_jsonl
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import MUSE, TOFU
 from palu_trainer.experiments.methods import METHODS
@@ -450,7 +449,7 @@ class Stages:
         return overrides + list(self.size.training_overrides if training else ())
 
     def finetune(self, name: str, model_dir: Path, train_split: str) -> tuple[Path, float]:
-        experiment = self.facts.tiny_finetune_experiment
+        experiment = f"finetune/{self.facts.name.lower()}/tiny"  # the plugin's, for `model=tiny-llama`
         batch = self.size.finetune_batch_size
         overrides = [
             f"experiment={experiment}",
@@ -491,7 +490,7 @@ class Stages:
         weights may be deleted once evaluated).
         """
         retain_logs = retain_eval.result() if retain_eval is not None else None
-        experiment = self.facts.tiny_eval_experiment
+        experiment = f"eval/{self.facts.name.lower()}/tiny"
         batch = self.size.eval_batch_size
         overrides = [
             f"experiment={experiment}",

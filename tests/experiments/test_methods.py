@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from palu_lab import demo, miniature
+from palu_lab.benchmarks.dataset_folders import TofuBenchmark
 from palu_lab.benchmarks.muse_subset import MuseBenchmark
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments import methods, recipe
 from palu_trainer.experiments.methods import METHODS, Method, side_by_side_methods
 from palu_trainer.framework.trainer_config import trainer_config

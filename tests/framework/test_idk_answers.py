@@ -2,7 +2,7 @@
 
 from transformers import AutoTokenizer
 
-from palu_trainer.benchmarks.tofu_format import IDK_ANSWERS, write_idk_answers
+from palu_lab.benchmarks.dataset_folders import IDK_ANSWERS, write_idk_answers
 from palu_trainer.framework.checkout import ensure_importable
 
 from ..conftest import TAG_TEMPLATE, write_jsonl

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from palu_lab import converged, damage, miniature, real_model
+from palu_lab.benchmarks.dataset_folders import TofuBenchmark
 from palu_lab.converged import (
     CLIFF_VARIANTS,
     CONVERGED_KNOB_VALUES,
@@ -29,7 +30,6 @@ from palu_lab.converged import (
 )
 from palu_lab.miniature import TOFU_SIZES
 from palu_lab.real_model import Run, fq_ladder
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark
 from palu_trainer.experiments.report import EvaluatedModel
 
 SIZE = TOFU_SIZES["smollm2-converged"]

@@ -32,7 +32,7 @@ from palu_lab.smollm2 import (
     find_gguf,
     read_marker,
 )
-from palu_trainer.experiments.methods import tofu_overrides
+from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.framework.launch import log_tail, run_logged
 
@@ -102,7 +102,7 @@ def fast_run(smollm2_dir, tofu_dir, shared_dir, tmp_path_factory) -> dict:
         "train": [
             str(BIN / "palu-train"),
             "--config-name=unlearn.yaml",
-            *tofu_overrides("PALU"),
+            *TOFU.method_overrides("PALU"),
             *splits,
             "retain_split=retain99",
             # unlearn/tofu/palu names the framework's TOFU-finetuned Llama

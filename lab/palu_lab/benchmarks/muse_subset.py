@@ -26,8 +26,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from palu_lab.benchmarks.dataset_folders import read_jsonl, write_configs_readme, write_jsonl
 from palu_lab.benchmarks.synthetic_news import synthetic_news
-from palu_trainer.benchmarks.hf_dir import read_jsonl, write_configs_readme, write_jsonl
 from palu_trainer.spans.agreement import Agreement, word_agreement
 from palu_trainer.spans.annotator import Background, annotate_texts
 from palu_trainer.spans.format import write_annotations

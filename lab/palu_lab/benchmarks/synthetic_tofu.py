@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from palu_trainer.benchmarks.hf_dir import write_jsonl, write_readme
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark, tofu_splits, write_idk_answers
+from palu_lab.benchmarks.dataset_folders import TofuBenchmark, write_idk_answers, write_jsonl, write_readme
+from palu_trainer.experiments.benchmark_facts import tofu_splits
 from palu_trainer.spans.format import Span, write_annotations
 
 FIRST_NAMES = (

@@ -12,8 +12,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from palu_trainer.benchmarks.hf_dir import read_jsonl, write_jsonl, write_readme
-from palu_trainer.benchmarks.tofu_format import TofuBenchmark, write_idk_answers
+from palu_lab.benchmarks.dataset_folders import (
+    TofuBenchmark,
+    read_jsonl,
+    write_idk_answers,
+    write_jsonl,
+    write_readme,
+)
 from palu_trainer.spans.format import read_annotations, validate_annotations, write_annotations
 from palu_trainer.spans.tpo_spans import read_tpo
 

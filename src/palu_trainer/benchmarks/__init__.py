@@ -1,1 +1,1 @@
-"""Local benchmark data in Hugging Face dataset folders: synthetic TOFU and real-TOFU subsets."""
+"""Reading local benchmark data in Hugging Face dataset folders (the lab writes them)."""

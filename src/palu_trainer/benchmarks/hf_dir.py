@@ -1,45 +1,14 @@
-"""Local Hugging Face dataset folders: JSON lines files plus the hub README whose YAML lists the `configs`.
+"""Local Hugging Face dataset folders: JSON lines files plus the hub README whose YAML lists the `configs`,
+which `load_dataset(folder, name=config)` reads as it reads the hub repository (`TOFU_DIR`, `MUSE_DIR`)."""
 
-`load_dataset(folder, name=config)` reads such a folder as it reads the hub repository; TOFU's local
-mirrors (`TOFU_DIR`) and this project's generated benchmarks are all in this layout.
-"""
-
-import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def write_jsonl(path: Path, rows: Sequence[dict], keys: Sequence[str]) -> None:
-    with path.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps({key: row[key] for key in keys}, ensure_ascii=False) + "\n")
-
-
-def write_readme(directory: Path, config_names: Sequence[str], description: str) -> None:
-    """The Hugging Face README header that makes `load_dataset(directory, name=...)` work."""
-    configs = [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]
-    configs[0]["default"] = True
-    write_configs_readme(directory, configs, description)
-
-
-def write_configs_readme(directory: Path, configs: Sequence[dict], description: str) -> None:
-    """A README whose YAML header lists `configs` as the hub does (`config_name`, `data_files`)."""
-    header = yaml.safe_dump({"configs": list(configs)}, sort_keys=False)
-    (directory / "README.md").write_text(f"---\n{header}---\n\n{description}\n", encoding="utf-8")
-
-
 def read_configs(directory: Path) -> dict[str, set[str]]:
-    """Config names a local dataset folder offers, with their splits, from its README's YAML header.
-
-    `data_files` as a path (or list of paths) is the single split `train`; as a list of
-    `{split, path}` entries (MUSE's layout), those splits.
-    """
+    """Config names a local dataset folder offers, with their splits, from its README's YAML header:
+    `data_files` as paths is the single split `train`; as `{split, path}` entries (MUSE's layout), those."""
     return {config["config_name"]: _splits(config.get("data_files")) for config in _config_entries(directory)}
 
 

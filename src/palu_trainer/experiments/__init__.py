@@ -1,1 +1,1 @@
-"""Runners over the framework: the offline demo, the GPU recipe, the report, tiny models, the method table."""
+"""Runners over the framework: the GPU recipe and its kit (palu-recipe), the report, the method table."""

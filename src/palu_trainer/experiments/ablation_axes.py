@@ -8,12 +8,9 @@ ABLATED_METHOD = "PALU"
 
 @dataclass(frozen=True)
 class Axis:
-    """One ablation: its title, its points (label -> overrides; () is PALU's defaults) and the default's
-    label."""
-
     title: str
-    points: dict[str, tuple[str, ...]]
-    default: str
+    points: dict[str, tuple[str, ...]]  # label -> overrides; () is PALU's defaults
+    default: str  # the default point's label
 
 
 def top_k(value: str) -> tuple[str, ...]:

@@ -2,52 +2,39 @@
 methods: their hub datasets and local mirrors, splits, experiment configs, evaluation files and scorecards.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from palu_trainer.benchmarks.tofu_format import tofu_splits
-from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import muse_overrides, tofu_overrides
+from palu_trainer.experiments import methods, report
 from palu_trainer.framework.local_mirrors import LOCAL_MIRRORS
+
+
+def tofu_splits(forget_percent: int) -> tuple[str, str, str]:
+    """TOFU's forget, retain and holdout configs for forgetting `forget_percent`% of its authors."""
+    return f"forget{forget_percent:02d}", f"retain{100 - forget_percent:02d}", f"holdout{forget_percent:02d}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchmarkFacts:
-    """How the framework runs one benchmark.
+    """How the framework runs one benchmark."""
 
-    name: as plans and reports call it, and the prefix of its evaluator's file (`TOFU_EVAL.json`);
-        lowercased, the folder of its experiment configs (`eval/tofu/default`).
-    hub_id: its dataset on the hub; `{subset}` stands for the subset's name.
-    splits: subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout
-        splits.
-    scorecard: what the report reads of the evaluation's file, selects by and plots.
-    method_overrides: a method's experiment and trainer overrides on this benchmark (`methods.METHODS`).
-    """
-
+    # as plans and reports call it, and the prefix of its evaluator's file (`TOFU_EVAL.json`); lowercased, the
+    # folder of its experiment configs (`eval/tofu/default`)
     name: str
-    hub_id: str
+    hub_id: str  # its dataset on the hub; `{subset}` stands for the subset's name
+    # subset (the recipe's `--forget` on TOFU, `--split` on MUSE) -> its forget, retain and holdout splits
     splits: dict[str, tuple[str, str, str]]
-    scorecard: report.Scorecard
-    method_overrides: Callable[[str], list[str]]
+    scorecard: report.Scorecard  # what the report reads of the evaluation's file, selects by and plots
 
     @property
-    def eval_experiment(self) -> str:
-        """The framework's stock evaluation."""
+    def eval_experiment(self) -> str:  # the framework's stock evaluation
         return f"eval/{self.name.lower()}/default"
 
     @property
-    def tiny_finetune_experiment(self) -> str:
-        """This plugin's finetuning of a small local model (`model=tiny-llama`: the miniature, gpu-check)."""
-        return f"finetune/{self.name.lower()}/tiny"
-
-    @property
-    def tiny_eval_experiment(self) -> str:
-        return f"eval/{self.name.lower()}/tiny"
-
-    @property
-    def eval_file(self) -> str:
-        """What the evaluator writes to the evaluation's output folder."""
+    def eval_file(self) -> str:  # what the evaluator writes to the evaluation's output folder
         return f"{self.name}_EVAL.json"
+
+    def method_overrides(self, method: str) -> list[str]:
+        return methods.method_overrides(method, self.name.lower())
 
     def hub(self, subset: str) -> str:
         return self.hub_id.format(subset=subset)
@@ -62,14 +49,12 @@ TOFU = BenchmarkFacts(
     hub_id="locuslab/TOFU",
     splits={f"{percent:02d}": tofu_splits(percent) for percent in (1, 5, 10)},
     scorecard=report.TOFU,
-    method_overrides=tofu_overrides,
 )
 MUSE = BenchmarkFacts(
     name="MUSE",
     hub_id="muse-bench/MUSE-{subset}",
     splits={corpus: ("forget", "retain1", "holdout") for corpus in ("News", "Books")},
     scorecard=report.MUSE,
-    method_overrides=muse_overrides,
 )
 BENCHMARKS = {"tofu": TOFU, "muse": MUSE}
 # What experiment=unlearn/muse/* and eval=muse load: config -> splits

@@ -6,38 +6,23 @@ installed."""
 
 import argparse
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
 from palu_trainer.framework.checkout import PROJECT_ROOT, RESOURCES_DIR
 
 RESULTS_HEADING = "### Unlearning on a real pretrained model at the paper's budget"
+KIT_DIR = RESOURCES_DIR / "kit"  # the templates: README.md, run.sh, <name>.bib, contributions.yaml
 
 
-@dataclass(frozen=True)
-class Contribution:
-    name: str
-    title: str
-    authors: str
-    links: tuple[str, ...]
-    summary: str
-    experiment: str
-    knob: str  # the method_args key the grid sweeps
-    knob_grid: tuple[str, ...]
-    learning_rates: tuple[str, ...]
-    best: tuple[str, str]  # (learning rate, knob value): the trainer config's and the framework's defaults
-    setup: str
-
-
-def contributions() -> list[Contribution]:
-    entries = yaml.safe_load((RESOURCES_DIR / "kit" / "contributions.yaml").read_text())
+def contributions() -> list[SimpleNamespace]:
+    """One per method folder, from the kit's contributions.yaml: name, title, authors, links, summary, setup,
+    experiment; knob (the method_args key the grid sweeps), knob_grid, learning_rates; best (learning rate,
+    knob value: the trainer config's and the framework's defaults)."""
     return [
-        Contribution(
-            **{key: tuple(value) if isinstance(value, list) else value for key, value in entry.items()}
-        )
-        for entry in entries
+        SimpleNamespace(**entry) for entry in yaml.safe_load((KIT_DIR / "contributions.yaml").read_text())
     ]
 
 
@@ -61,19 +46,6 @@ def measured_results(readme: Path) -> str:
     return re.sub(r"\[([^\]]+)\]\((docs/[^)]+)\)", named, section).strip() + "\n"
 
 
-def readme_text(contribution: Contribution, results: str) -> str:
-    links = "\n".join(f"- {link}" for link in contribution.links)
-    return (
-        (RESOURCES_DIR / "kit" / "README.md")
-        .read_text()
-        .format(contribution=contribution, links=links, results=results, bibtex=bibtex(contribution))
-    )
-
-
-def bibtex(contribution: Contribution) -> str:
-    return (RESOURCES_DIR / "kit" / f"{contribution.name}.bib").read_text().strip()
-
-
 def write_kit(checkout: Path, readme: Path = PROJECT_ROOT / "README.md") -> list[Path]:
     """Write `community/methods/{PALU,TPO}/` into the framework checkout `checkout`; returns the files."""
     if not (checkout / "src" / "train.py").is_file():
@@ -83,10 +55,15 @@ def write_kit(checkout: Path, readme: Path = PROJECT_ROOT / "README.md") -> list
     for contribution in contributions():
         folder = checkout / "community" / "methods" / contribution.name
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "README.md").write_text(readme_text(contribution, results))
+        links = "\n".join(f"- {link}" for link in contribution.links)
+        bibtex = (KIT_DIR / f"{contribution.name}.bib").read_text().strip()
+        template = (KIT_DIR / "README.md").read_text()
+        (folder / "README.md").write_text(
+            template.format(contribution=contribution, links=links, results=results, bibtex=bibtex)
+        )
         script = folder / "run.sh"
         script.write_text(
-            (RESOURCES_DIR / "kit" / "run.sh")
+            (KIT_DIR / "run.sh")
             .read_text()
             .format(
                 name=contribution.name,

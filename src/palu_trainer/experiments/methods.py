@@ -1,7 +1,5 @@
-"""The one table of unlearning methods that the demo, the GPU recipe and the bench run side by side.
-
-Adding a method to the side-by-side is one entry here (plus, for a new trainer, its module and config).
-"""
+"""The one table of unlearning methods that the demo, the GPU recipe and the bench run side by side: adding a
+method to them is one entry here (plus, for a new trainer, its module and config)."""
 
 from dataclasses import dataclass, field
 
@@ -10,47 +8,32 @@ import numpy
 
 @dataclass(frozen=True)
 class Knob:
-    """A method's own hyperparameter that the demo's equal-budget grid tunes besides the learning rate.
+    """A method's own hyperparameter that the equal-budget grid tunes besides the learning rate."""
 
-    name: as the report lists it; key: the Hydra override that sets it; values: the grid, its stock value
-    included.
-    """
-
-    name: str
-    key: str
-    values: tuple[float, ...]
+    name: str  # as the report lists it
+    key: str  # the Hydra override that sets it
+    values: tuple[float, ...]  # the grid, its stock value included
 
 
 @dataclass(frozen=True)
 class Method:
-    """How the side-by-side runs one method.
+    """How the side-by-side runs one method."""
 
-    trainer: the trainer config (`trainer=<name>`), the framework's own or this plugin's.
-    tofu_experiment: the experiment config it runs on TOFU.
-    uses_spans: its forget set reads span annotations (`span_annotations=<file>`).
-    uses_idk_answers: its forget set pairs each answer with an "I don't know" answer from a JSON lines
-        file of strings (`idk_path=<file>`; experiment unlearn/tofu/idk_local).
-    trainer_overrides: further Hydra overrides it needs (a required `method_args` value, a recipe's settings).
-    kl_weight_key: the override that sets its λ (`make tofu LAMBDA=`, `make tofu-sweep`), if it has one.
-    bench_variants: label -> extra `method_args`, one bench row each ("" is the stock config).
-    side_by_side: run by `make demo` and `make compare` unless `--methods` names others.
-    in_fast_demo: run by `make demo FAST=1` (and so by `make test`).
-    muse_experiment: the experiment config it runs on MUSE; None: not offered on MUSE here (the MUSE demo and
-        recipe leave it out).
-    knob: its own hyperparameter in the equal-budget grid (learning rates x knob values); None: it has none
-        besides the learning rate, and gets as many runs on a finer learning-rate grid instead.
-    """
-
-    trainer: str
+    trainer: str  # the trainer config (`trainer=<name>`), the framework's own or this plugin's
     tofu_experiment: str = "unlearn/tofu/default"
-    uses_spans: bool = False
+    uses_spans: bool = False  # its forget set reads span annotations (`span_annotations=<file>`)
+    # its forget set pairs each answer with an "I don't know" answer from a JSON lines file of strings
+    # (`idk_path=<file>`; experiment unlearn/tofu/idk_local)
     uses_idk_answers: bool = False
-    trainer_overrides: tuple[str, ...] = ()
-    kl_weight_key: str | None = None
+    trainer_overrides: tuple[str, ...] = ()  # a required `method_args` value, a recipe's settings
+    kl_weight_key: str | None = None  # the override that sets its λ (`make tofu LAMBDA=`, `make tofu-sweep`)
+    # label -> extra `method_args`, one bench row each ("" is the stock config)
     bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
-    side_by_side: bool = True
-    in_fast_demo: bool = False
-    muse_experiment: str | None = "unlearn/muse/default"
+    side_by_side: bool = True  # run by `make demo` and `make compare` unless `--methods` names others
+    in_fast_demo: bool = False  # run by `make demo FAST=1` (and so by `make test`)
+    muse_experiment: str | None = "unlearn/muse/default"  # None: not offered on MUSE here
+    # its own hyperparameter in the equal-budget grid (learning rates x knob values); None: it has none
+    # besides the learning rate, and gets as many runs on a finer learning-rate grid instead
     knob: Knob | None = None
 
 
@@ -162,19 +145,14 @@ def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, 
     )
 
 
-def tofu_overrides(name: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on TOFU (spans and idk answers are added by
-    the caller)."""
+def method_overrides(name: str, bench: str) -> list[str]:
+    """The experiment and trainer overrides that run method `name` on `bench` (tofu or muse); spans and "I
+    don't know" answers are the caller's."""
     method = METHODS[name]
-    return [f"experiment={method.tofu_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
-
-
-def muse_overrides(name: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on MUSE (spans are added by the caller)."""
-    method = METHODS[name]
-    if method.muse_experiment is None:
+    experiment = method.tofu_experiment if bench == "tofu" else method.muse_experiment
+    if experiment is None:
         raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
-    return [f"experiment={method.muse_experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
+    return [f"experiment={experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
 
 
 def tuning_grid(

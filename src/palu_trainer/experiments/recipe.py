@@ -37,9 +37,8 @@ HF_LOGIN = "huggingface-cli login"
 
 
 def framework_log(relative: str) -> str:
-    """An evaluation log the framework keeps under `saves/eval/`: here (relative to this directory), else in
-    the framework checkout, where its `python setup_data.py --eval_logs` downloads them; `relative` if in
-    neither (the check then names it)."""
+    """An evaluation log under `saves/eval/`: here, else in the framework checkout (where its `setup_data.py
+    --eval_logs` downloads them); `relative` if in neither (the check then names it)."""
     if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
         return str(checkout_dir() / relative)
     return relative
@@ -81,11 +80,8 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
     """
     configured = model_config(model).get("model_args", {}).get("attn_implementation")
     wanted = configured if requested == "auto" else requested
-    if wanted != "flash_attention_2":
+    if wanted != "flash_attention_2" or (problem := flash_attention_problem()) is None:
         return (None if wanted == configured else wanted), [], []
-    problem = flash_attention_problem()
-    if problem is None:
-        return (None if configured == wanted else wanted), [], []
     if requested == "flash_attention_2":
         problem = (
             f"attn_implementation=flash_attention_2 asked for, but {problem}: run `{FLASH_ATTN_INSTALL}` "
@@ -103,8 +99,7 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """One recipe invocation on TOFU (`MuseRecipeSettings`: on MUSE): split, model, GPUs and the swept
-    hyperparameters."""
+    """One recipe invocation on TOFU (`MuseRecipeSettings`: MUSE): split, model, GPUs, hyperparameters."""
 
     facts = TOFU
     forget: str  # the subset: a key of `facts.splits`
@@ -127,11 +122,10 @@ class RecipeSettings:
         return self.facts.splits[self.forget]
 
     def task_name(self, method: str) -> str:
-        suffix = f"_lr{self.learning_rate}" + (
-            f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
-        )
+        kl_weight = f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
         variant = "".join(f"_{name}{value}" for name, value in self.variant) + ("_lora" if self.lora else "")
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{self.task_prefix}_{method}{suffix}{variant}")
+        name = f"{self.task_prefix}_{method}_lr{self.learning_rate}{kl_weight}{variant}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
     def params(self, method: str) -> dict:
         """The report's hyperparameters of this run of `method`."""
@@ -174,30 +168,24 @@ class RecipeSettings:
         """DPO's "I don't know" answers: where the framework's `setup_data.py --idk` puts them."""
         return self.idk_answers or str(checkout_dir() / "data" / "idk.jsonl")
 
+    @property
+    def attention_overrides(self) -> list[str]:
+        attention = self.attn_implementation
+        return [f"model.model_args.attn_implementation={attention}"] if attention else []
+
     def eval_path(self, method: str) -> Path:
         return Path("saves/unlearn") / self.task_name(method) / "evals" / self.facts.eval_file
 
     def describe(self) -> str:
         return f"{self.facts.name} {self.splits[0]}"
 
-    def method_overrides(self, method: str) -> list[str]:
-        return self.facts.method_overrides(method)
-
     def data_overrides(self) -> list[str]:
+        """What selects the data of the unlearning; the evaluation reads all of it but the retain split."""
         forget, retain, holdout = self.splits
         return [f"forget_split={forget}", f"retain_split={retain}", f"holdout_split={holdout}"]
 
-    def eval_overrides(self) -> list[str]:
-        forget, _, holdout = self.splits
-        return [
-            f"experiment={self.facts.eval_experiment}",
-            f"forget_split={forget}",
-            f"holdout_split={holdout}",
-        ]
-
     def dataset_problems(self, environ) -> list[str]:
-        """Whether the runs can read the dataset: from its local mirror, if its variable is set, else the
-        hub's cache or the hub."""
+        """Whether the runs can read the dataset: its local mirror if set, else the hub's cache or the hub."""
         hub_id, variable = self.facts.hub(self.forget), self.facts.mirror_variable(self.forget)
         if variable and environ.get(variable):
             absent = self.absent_from_mirror(read_configs(Path(environ[variable])))
@@ -246,9 +234,6 @@ class MuseRecipeSettings(RecipeSettings):
     def data_overrides(self) -> list[str]:
         return [f"data_split={self.forget}"]
 
-    def eval_overrides(self) -> list[str]:
-        return [f"experiment={self.facts.eval_experiment}", f"data_split={self.forget}"]
-
     def absent_from_mirror(self, available: dict[str, set[str]]) -> str:
         return ", ".join(
             f"{config}/{split}"
@@ -265,7 +250,7 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
     command = [
         *launcher,
         "--config-name=unlearn.yaml",
-        *settings.method_overrides(method),
+        *settings.facts.method_overrides(method),
         f"model={settings.model}",
         *settings.data_overrides(),
         f"task_name={settings.task_name(method)}",
@@ -275,7 +260,7 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
         f"trainer.args.gradient_accumulation_steps={accumulation}",
         f"trainer.args.learning_rate={settings.learning_rate}",
         "trainer.args.gradient_checkpointing=true",
-        *attention_overrides(settings),
+        *settings.attention_overrides,
     ]
     if settings.model_dir:
         command.append(f"model.tokenizer_args.pretrained_model_name_or_path={settings.model_dir}")
@@ -290,28 +275,19 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
 
 def eval_command(settings: RecipeSettings, method: str) -> list[str]:
     saved = f"saves/unlearn/{settings.task_name(method)}"
-    eval_experiment, *data = settings.eval_overrides()
     return [
         *launch.command("palu-eval"),
-        eval_experiment,
+        f"experiment={settings.facts.eval_experiment}",
         f"model={settings.model}",
-        *data,
+        *(data for data in settings.data_overrides() if not data.startswith("retain_split=")),
         *settings.facts.scorecard.metric_overrides(cuda=True),
         f"task_name={settings.task_name(method)}",
         f"model.model_args.pretrained_model_name_or_path={saved}",
         f"model.tokenizer_args.pretrained_model_name_or_path={saved}",
         f"paths.output_dir={settings.eval_path(method).parent}",
         f"retain_logs_path={settings.retain_logs_path}",
-        *attention_overrides(settings),
+        *settings.attention_overrides,
     ]
-
-
-def attention_overrides(settings: RecipeSettings) -> list[str]:
-    return (
-        [f"model.model_args.attn_implementation={settings.attn_implementation}"]
-        if settings.attn_implementation
-        else []
-    )
 
 
 def missing_requirements(
@@ -377,11 +353,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.environ) -> str | None:
-    """Whether this machine can load `repo_id` (a model or tokenizer on the hub) without downloading it now:
-    None when `filename` is in the Hugging Face cache or the hub serves it to this machine's token (a HEAD
-    request for that one file: no weights move), else what is wrong and what to do. Gated repositories
-    (meta-llama/*: the framework's Llama configs load their tokenizer from there) need a login whose account
-    accepted the licence; offline, it fails at once."""
+    """None when `filename` of `repo_id` (a model or tokenizer) is in the Hugging Face cache or the hub serves
+    it to this machine's token (a HEAD request: no weights move), else what is wrong and what to do. Gated
+    repositories (meta-llama/*, the framework's Llama tokenizers) need a login that accepted the licence."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -432,11 +406,10 @@ def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
 def method_runs(settings: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
     """(method, settings) of every run. `tune`: the equal budget, the paper's learning rates x the method's
     knob (methods.Knob; PALU's is λ); a method without a knob gets as many learning rates."""
+    if not tune:
+        return [(method, settings) for method in methods]
     runs = []
     for method in methods:
-        if not tune:
-            runs.append((method, settings))
-            continue
         for rate, params, extra in tuning_grid(method, PAPER_LEARNING_RATES, tune_knobs=True):
             knob = METHODS[method].knob
             if knob and knob.key == METHODS[method].kl_weight_key:
@@ -486,7 +459,6 @@ def write_comparison(
             scorecard,
         )
         grids.setdefault(method, []).append(evaluated)
-    _, retain, _ = shared.splits
     budget = ", ".join(f"{method} {len(evaluated)}" for method, evaluated in grids.items())
     return report.write_report(
         out_dir,
@@ -494,7 +466,7 @@ def write_comparison(
         grids,
         title=f"{shared.describe()}: {', '.join(grids)} on {shared.model}",
         notes=[
-            f"Retain: {shared.retain_logs_path} ({retain}); Original: {shared.original_logs_path}.",
+            f"Retain: {shared.retain_logs_path} ({shared.splits[1]}); Original: {shared.original_logs_path}.",
             f"Runs per method: {budget} (hyperparameters in the table of every run).",
         ],
         scorecard=scorecard,
@@ -601,13 +573,9 @@ def main(argv=None) -> None:
         needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
     )
     if problems:
-        print(
-            "\ncannot run the real recipe here:", *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr
-        )
-        print(
-            "On a CPU-only or offline machine, `make demo` runs the offline miniature instead.",
-            file=sys.stderr,
-        )
+        listed = "".join(f"\n  - {problem}" for problem in problems)
+        offline = "On a CPU-only or offline machine, `make demo` runs the offline miniature instead."
+        print(f"\ncannot run the real recipe here:{listed}\n{offline}", file=sys.stderr)
         sys.exit(2)
     if gpus > 1:
         launch.write_accelerate_config(accelerate_dir, gpus)

@@ -1,13 +1,7 @@
-"""Paper-style summary of TOFU or MUSE evaluations: a Markdown table, a JSON file and a scatter plot.
-
-The plot is utility (x) against forgetting (y); a `Scorecard` says which metrics those are (TOFU, the
-default, or MUSE).
-
-Input is independent of how the models were made: for every method, one or more runs, each an
-open-unlearning `TOFU_EVAL.json` (or `MUSE_EVAL.json`) plus wall time and hyperparameters. References
-(Original, Retain) are single runs. For a method with several runs (a learning-rate grid), one is selected
-by a stated rule.
-"""
+"""Paper-style summary of TOFU or MUSE evaluations, however the models were made: a Markdown table, a JSON
+file and a plot of utility (x) against forgetting (y), from open-unlearning's `TOFU_EVAL.json` (or
+`MUSE_EVAL.json`) files, wall times and hyperparameters. A `Scorecard` (TOFU, the default, or MUSE) names
+those metrics and picks one of a method's several runs (a learning-rate grid)."""
 
 import json
 import math
@@ -17,7 +11,7 @@ from pathlib import Path
 
 from scipy.stats import hmean
 
-# Table columns: key, header, format. `retain_utility` ranks and selects, see SELECTION_RULE.
+# Table columns: key, header, format. `retain_utility` ranks and selects (TOFU's selection_rule).
 COLUMNS = (
     ("forget_quality", "FQ ↑", "{:.3g}"),
     ("retain_utility", "retain utility ↑", "{:.3f}"),
@@ -73,15 +67,6 @@ FLUENCY_METRIC = "forget_Q_A_gibberish"
 FLUENCY_CLASSIFIER = "madhurjindal/autonlp-Gibberish-Detector-492513457"
 UTILITY_FLOOR = 0.8
 FQ_FLOOR = 1e-30
-SELECTION_RULE = (
-    "per method, among its runs whose retain utility is at least "
-    f"{UTILITY_FLOOR:.0%} of the Original's, the one with the highest forget quality; if none keeps "
-    "that much utility, the run with the highest retain utility"
-)
-UTILITY_NOTE = (
-    "retain utility = harmonic mean of retain ROUGE, retain probability and retain truth ratio (the "
-    "retain half of the stock model utility); the table ranks and selects by retain utility."
-)
 
 
 @dataclass
@@ -92,16 +77,6 @@ class EvaluatedModel:
     wall_time_s: float | None = None
     params: dict = field(default_factory=dict)
     eval_path: str | None = None
-
-
-def metrics_from_eval(eval_json: str | Path, scorecard: "Scorecard | None" = None) -> dict:
-    """The reported metrics of one open-unlearning eval file (None where a metric is absent)."""
-    scorecard = scorecard or TOFU
-    logs = json.loads(Path(eval_json).read_text())
-    metrics = {name: (logs.get(key) or {}).get("agg_value") for name, key in scorecard.eval_keys.items()}
-    for name, derive in scorecard.derived.items():
-        metrics[name] = derive(metrics)
-    return metrics
 
 
 def retain_utility(metrics: Mapping) -> float | None:
@@ -172,8 +147,15 @@ TOFU = Scorecard(
     forgetting="forget_quality",
     forgetting_ascends=True,
     ranked_by="forget quality (FQ)",
-    selection_rule=SELECTION_RULE,
-    utility_note=UTILITY_NOTE,
+    selection_rule=(
+        f"per method, among its runs whose retain utility is at least {UTILITY_FLOOR:.0%} of the Original's, "
+        "the one with the highest forget quality; if none keeps that much utility, the run with the highest "
+        "retain utility"
+    ),
+    utility_note=(
+        "retain utility = harmonic mean of retain ROUGE, retain probability and retain truth ratio (the "
+        "retain half of the stock model utility); the table ranks and selects by retain utility."
+    ),
     x_label="retain utility (hmean of retain ROUGE, prob, truth ratio)",
     y_label=f"forget quality (KS p-value vs Retain, log; < {FQ_FLOOR:g} drawn at it)",
     title="Retain utility vs forget quality (faint: other learning rates)",
@@ -237,8 +219,17 @@ MUSE = Scorecard(
 )
 
 
+def metrics_from_eval(eval_json: str | Path, scorecard: Scorecard = TOFU) -> dict:
+    """The reported metrics of one open-unlearning eval file (None where a metric is absent)."""
+    logs = json.loads(Path(eval_json).read_text())
+    metrics = {name: (logs.get(key) or {}).get("agg_value") for name, key in scorecard.eval_keys.items()}
+    for name, derive in scorecard.derived.items():
+        metrics[name] = derive(metrics)
+    return metrics
+
+
 def run_from_eval(
-    eval_json: str | Path, wall_time_s=None, params=None, scorecard: Scorecard | None = None
+    eval_json: str | Path, wall_time_s=None, params=None, scorecard: Scorecard = TOFU
 ) -> EvaluatedModel:
     metrics = metrics_from_eval(eval_json, scorecard)
     return EvaluatedModel(metrics, wall_time_s, dict(params or {}), str(eval_json))
@@ -253,10 +244,9 @@ def references(
 
 
 def select_run(
-    runs: Sequence[EvaluatedModel], original_utility: float, scorecard: Scorecard | None = None
+    runs: Sequence[EvaluatedModel], original_utility: float, scorecard: Scorecard = TOFU
 ) -> EvaluatedModel:
-    """Apply the scorecard's selection rule (TOFU: SELECTION_RULE) to one method's runs."""
-    scorecard = scorecard or TOFU
+    """Apply the scorecard's selection rule to one method's runs."""
     floor = UTILITY_FLOOR * original_utility
     kept = [run for run in runs if (run.metrics[scorecard.utility] or 0.0) >= floor]
     if kept:
@@ -292,10 +282,9 @@ def table(
     headers += ["wall time", "hyperparameters"] if details else []
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for name, run in rows.items():
-        # fluency is absent offline, and says why instead of a bare dash
-        missing = {"fluency": "needs hub"}
-        cells = [
-            format_value(run.metrics.get(key), pattern, missing.get(key, "—")) for key, _, pattern in columns
+        cells = [  # fluency is absent offline, and says why instead of a bare dash
+            format_value(run.metrics.get(key), pattern, "needs hub" if key == "fluency" else "—")
+            for key, _, pattern in columns
         ]
         if details:
             wall = "—" if run.wall_time_s is None else f"{run.wall_time_s:.0f} s"
@@ -309,11 +298,10 @@ def plot(
     references: Mapping[str, EvaluatedModel],
     grids: Mapping[str, Sequence[EvaluatedModel]],
     selected,
-    scorecard: Scorecard | None = None,
+    scorecard: Scorecard = TOFU,
 ) -> None:
     """Utility (x) vs forgetting (y; TOFU: retain utility vs FQ, log scale); every grid run faint, the
     selected one bold."""
-    scorecard = scorecard or TOFU
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,16 +348,11 @@ def write_report(
     title: str,
     notes: Sequence[str] = (),
     extra: Mapping | None = None,
-    scorecard: Scorecard | None = None,
+    scorecard: Scorecard = TOFU,
 ) -> dict[str, Path]:
     """Write summary.md, summary.json and the plot (TOFU: mu_vs_fq.png) to `out_dir`; return their paths.
-
-    `references` must include "Original" (its utility anchors the selection rule);
-    `grids` maps each method to its runs; `extra` is stored as-is in the JSON (e.g. stage timings).
-    """
-    scorecard = scorecard or TOFU
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    `references` must include "Original" (its utility anchors the selection rule); `grids`: method -> runs;
+    `extra` is stored as-is in the JSON (e.g. stage timings)."""
     original_utility = references["Original"].metrics[scorecard.utility] or 0.0
     selected = {method: select_run(runs, original_utility, scorecard) for method, runs in grids.items()}
     ranked = dict(
@@ -407,7 +390,7 @@ def write_report(
         "runs": {method: [vars(run) for run in runs] for method, runs in grids.items()},
         **dict(extra or {}),
     }
-    paths = save_summary(out_dir, markdown, summary, scorecard)
+    paths = save_summary(Path(out_dir), markdown, summary, scorecard)
     plot(paths["plot"], references, grids, selected, scorecard)
     return paths
 
@@ -415,11 +398,8 @@ def write_report(
 def save_summary(out_dir: Path, markdown: Sequence[str], summary: Mapping, scorecard: Scorecard) -> dict:
     """Write summary.md (`markdown` lines) and summary.json to `out_dir`; their paths and the plot's."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "summary.md": out_dir / "summary.md",
-        "summary.json": out_dir / "summary.json",
-        "plot": out_dir / scorecard.plot_file,
-    }
+    paths = {name: out_dir / name for name in ("summary.md", "summary.json")}
+    paths["plot"] = out_dir / scorecard.plot_file
     paths["summary.md"].write_text("\n".join(markdown), encoding="utf-8")
     paths["summary.json"].write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     return paths

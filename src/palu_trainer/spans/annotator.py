@@ -128,22 +128,18 @@ MIN_VERB_CONTEXTS = 2
 
 @dataclass(frozen=True)
 class Style:
-    """What kind of text is annotated: QA answers (TOFU) or raw prose (news articles)."""
+    """What kind of text is annotated: QA answers (TOFU; the defaults) or raw prose (news articles)."""
 
-    first_sentence_focus: bool  # later sentences elaborate on the first, which answers the question
-    amounts: bool  # currency signs and units join numbers
-    max_title_words: int | None  # quotations longer than this are speech, not titles (None: any length)
-    name_modifiers: bool  # a name or number takes the lowercase words after it ("Canadian literature")
-    phrase_threshold: float
+    first_sentence_focus: bool = True  # later sentences elaborate on the first, which answers the question
+    amounts: bool = False  # currency signs and units join numbers
+    max_title_words: int | None = (
+        None  # quotations longer than this are speech, not titles (None: any length)
+    )
+    name_modifiers: bool = True  # a name or number takes the lowercase words after it ("Canadian literature")
+    phrase_threshold: float = PHRASE_THRESHOLD
 
 
-QA = Style(
-    first_sentence_focus=True,
-    amounts=False,
-    max_title_words=None,
-    name_modifiers=True,
-    phrase_threshold=PHRASE_THRESHOLD,
-)
+QA = Style()
 # Set on the tuning part of benchmarks.synthetic_news only (README, "Raw text"); never on its held-out part.
 RAW_TEXT = Style(
     first_sentence_focus=False,
@@ -202,20 +198,18 @@ class Background:
             tokens = tokenize(text)
             self.document_frequency.update({token.stem for token in tokens if token.is_word})
             for position, token in enumerate(tokens):
-                if token.is_word:
-                    previous = tokens[position - 1].text.lower() if position else "."
-                    following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
-                    self._count(token, previous, following)
-
-    def _count(self, token: Token, previous: str, following: str):
-        stem = token.stem
-        if previous not in ".!?:\"“'":
-            if token.text[0].islower():
-                self.lowercase_uses[stem] += 1
-            elif token.text[0].isupper():
-                self.capitalised_mid_sentence[stem] += 1
-        self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
-        self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
+                if not token.is_word:
+                    continue
+                stem = token.stem
+                previous = tokens[position - 1].text.lower() if position else "."
+                following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
+                if previous not in ".!?:\"“'":
+                    if token.text[0].islower():
+                        self.lowercase_uses[stem] += 1
+                    elif token.text[0].isupper():
+                        self.capitalised_mid_sentence[stem] += 1
+                self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
+                self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
 
     def specificity(self, stem: str) -> float:
         """Decades of rarity: -log10 of the share of background documents that contain the word."""
@@ -379,17 +373,15 @@ def _is_predicate(tokens: Sequence[Token], start: int) -> bool:
     return bool(before) and before[-1] in COPULAS
 
 
-def question_words(question: str) -> set[str]:
-    """Stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")."""
-    parts = {part.lower() for part in re.findall(r"\w+", question)}
-    return parts | {token.stem for token in tokenize(question)}
-
-
 def annotate_answer(question: str, answer: str, background: Background) -> list[Span]:
     """Sensitive character spans `[start, end)` of one answer, sorted and disjoint."""
     if is_no_information(answer):
         return []
-    return _annotate_passage(answer, question_words(question), background, QA)
+    # stems of the question's tokens and of their parts ("Ben-David's" gives "ben-david", "ben", "david")
+    asked = {word.stem for word in tokenize(question)} | {
+        part.lower() for part in re.findall(r"\w+", question)
+    }
+    return _annotate_passage(answer, asked, background, QA)
 
 
 def annotate_text(text: str, background: Background, style: Style = RAW_TEXT) -> list[Span]:
@@ -436,10 +428,8 @@ def _annotate_passage(passage: str, asked: set[str], background: Background, sty
 def _fact_bounds(
     tokens: Sequence[Token], kinds: Sequence[str], phrase: Sequence[int]
 ) -> tuple[int, int] | None:
-    """First and last position of the fact in a phrase, without opening praise or a closing person noun.
-
-    None when nothing else is left ("renowned author").
-    """
+    """First and last position of the fact in a phrase, without opening praise or a closing person noun; None
+    when nothing else is left ("renowned author")."""
     first, last = phrase[0], phrase[-1]
     while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
         first += 1
@@ -475,12 +465,9 @@ def _runs(kinds: Sequence[str]) -> list[list[int]]:
 
 
 def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
-    """Split a run into names and lowercase words, drop the subject's name and the words qualifying a name.
-
-    A name whose words the question has is dropped when it ends the run or is possessive; lowercase words
-    right before a name qualify it ("prestigious Maple Leaf Literary Award") and are dropped. A possessive
-    ends its phrase ("University of Karachi's | Department of Geology").
-    """
+    """Split a run into names and lowercase words; drop a name the question has where it ends the run or is
+    possessive, and lowercase words right before a name, which qualify it ("prestigious Maple Leaf Literary
+    Award"). A possessive ends its phrase ("University of Karachi's | Department of Geology")."""
     parts: list[tuple[bool, list[int]]] = []
     for position in run:
         is_name = kinds[position] in (NAME, NUMBER, JOINER)

@@ -24,6 +24,7 @@ def main(argv=None) -> None:
     tpo = commands.add_parser("import-tpo", help="convert TPO-style span annotations (char offsets)")
     tpo.add_argument("tpo_file", help="JSON lines with `answer` and `spans: [{start, end}]`")
     tpo.add_argument("out_file", help="annotation file to write (span_annotations/ format)")
+    tpo.set_defaults(run=_run_import_tpo)
 
     annotate = commands.add_parser(
         "annotate", help="mark the sensitive spans of a QA dataset's answers, or of raw texts (--text-key)"
@@ -37,6 +38,7 @@ def main(argv=None) -> None:
     annotate.add_argument("--background-name", help="configuration of the background dataset")
     annotate.add_argument("--background-split", default="train")
     annotate.add_argument("--out", required=True, help="annotation file to write")
+    annotate.set_defaults(run=_run_annotate)
 
     score = commands.add_parser(
         "score", help="word-token and exact-span precision/recall/F1 of a candidate file against a reference"
@@ -44,14 +46,16 @@ def main(argv=None) -> None:
     score.add_argument("--reference", required=True, help="TPO-style file or annotation file")
     score.add_argument("candidate", help="TPO-style file or annotation file")
     _add_dataset_arguments(score, required=False)
+    score.set_defaults(run=_run_score)
 
     validate = commands.add_parser("validate", help="check an annotation file against its dataset")
     _add_dataset_arguments(validate, required=True)
     validate.add_argument("file", help="annotation file")
+    validate.set_defaults(run=_run_validate)
 
     args = parser.parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        args.run(args)
     except AnnotationError as error:
         parser.exit(1, f"palu-annotate {args.command}: {error}\n")
 
@@ -96,9 +100,9 @@ def _run_annotate(args):
 
     _check_out(args.out, "--out")
     rows = _dataset_rows(args)
-    background_rows = rows
-    if args.background:
-        background_rows = _load_rows(args.background, args.background_name, args.background_split)
+    background_rows = (
+        _load_rows(args.background, args.background_name, args.background_split) if args.background else rows
+    )
     if args.text_key:
         for dataset, name in ((args.dataset, args.name), (args.background, args.background_name)):
             if name in EVALUATION_CONFIGS:
@@ -117,9 +121,8 @@ def _run_annotate(args):
         texts = [row[args.answer_key] for row in rows]
     write_annotations(args.out, texts, spans, field=_field(args))
     empty = sum(not row_spans for row_spans in spans)
-    density = sum(end - start for row_spans in spans for start, end in row_spans) / max(
-        sum(map(len, texts)), 1
-    )
+    in_spans = sum(end - start for row_spans in spans for start, end in row_spans)
+    density = in_spans / max(sum(map(len, texts)), 1)
     print(
         f"wrote {len(rows)} rows ({empty} without spans, {density:.1%} of characters in spans) to {args.out}"
     )
@@ -155,13 +158,6 @@ def _run_validate(args):
 
 # MUSE's evaluation configs: the annotator never reads them.
 EVALUATION_CONFIGS = ("knowmem", "verbmem", "privleak")
-
-COMMANDS = {
-    "import-tpo": _run_import_tpo,
-    "annotate": _run_annotate,
-    "score": _run_score,
-    "validate": _run_validate,
-}
 
 
 def _load_rows(dataset, name, split) -> list[dict]:

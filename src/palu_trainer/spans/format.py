@@ -24,11 +24,6 @@ def fingerprint(answer: str) -> str:
     return hashlib.sha1(answer.encode("utf-8")).hexdigest()
 
 
-def fingerprint_key(field: str) -> str:
-    """The key holding the fingerprint of dataset field `field`: answer -> answer_sha1, text -> text_sha1."""
-    return f"{field}_sha1"
-
-
 def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
     """Rows of an annotation file whose spans index dataset field `field` (answer or text)."""
     path = Path(path)
@@ -52,7 +47,7 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             '(`{"index": 0, "answer_sha1": "...", "spans": [[21, 31]]}`)'
         )
     rows = []
-    key = fingerprint_key(field)
+    key = f"{field}_sha1"  # the fingerprint of the annotated field: answer_sha1, text_sha1
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -62,8 +57,9 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             raise AnnotationError(f"{path} line {line_number}: not JSON ({error})") from None
         if not isinstance(row, dict):
             raise AnnotationError(f"{path} line {line_number}: a {type(row).__name__}, not a JSON object")
-        missing = {"index", key, "spans"} - row.keys()
-        if missing and is_tpo_row(row):
+        missing, spans = {"index", key, "spans"} - row.keys(), row.get("spans")
+        tpo_style = "answer" in row and isinstance(spans, list) and all(isinstance(s, dict) for s in spans)
+        if missing and tpo_style:
             raise AnnotationError(
                 f"{path} line {line_number}: a TPO-style row (the answer with {{start, end}} spans), not "
                 f"this format (index, {key}, [start, end] spans): convert the file with "
@@ -80,24 +76,14 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
     return rows
 
 
-def is_tpo_row(row: dict) -> bool:
-    """A row of a TPO-style file: it carries its answer and spans as {start, end} objects."""
-    spans = row.get("spans")
-    return "answer" in row and isinstance(spans, list) and all(isinstance(span, dict) for span in spans)
-
-
 def write_annotations(
     path: str | Path, answers: Sequence[str], spans: Sequence[Iterable[Span]], field: str = "answer"
 ):
     """Write one row per answer (or text, `field="text"`); spans are sorted and validated first."""
-    rows = []
-    for index, (answer, row_spans) in enumerate(zip(answers, spans, strict=True)):
-        row = {
-            "index": index,
-            fingerprint_key(field): fingerprint(answer),
-            "spans": sorted([start, end] for start, end in row_spans),
-        }
-        rows.append(row)
+    rows = [
+        {"index": index, f"{field}_sha1": fingerprint(answer), "spans": sorted([s, e] for s, e in row_spans)}
+        for index, (answer, row_spans) in enumerate(zip(answers, spans, strict=True))
+    ]
     validate_annotations(rows, answers, source=str(path), field=field)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
@@ -109,18 +95,13 @@ def validate_annotations(
     rows: Sequence[dict], answers: Sequence[str], source: str, field: str = "answer"
 ) -> list[list[Span]]:
     """Check rows against the dataset's `field` values (answers, texts); return each row's spans as tuples.
-
-    Raises AnnotationError naming the file, the row and what to do, on: a row count that differs,
-    an index that is not the row's position, a fingerprint that differs (another split, or shifted
-    rows), spans that are not a list of [start, end] integer pairs, a span empty or reversed, out of
-    the answer's bounds, unsorted or overlapping.
-    """
+    The first mismatch raises an AnnotationError naming the file, the row and what to do."""
     if len(rows) != len(answers):
         raise AnnotationError(
             f"{source}: {len(rows)} annotation rows but the dataset has {len(answers)} rows; "
             "the file was made for another split or dataset"
         )
-    key = fingerprint_key(field)
+    key = f"{field}_sha1"
     all_spans = []
     for position, (row, answer) in enumerate(zip(rows, answers)):
         where = f"{source} row {position}"
@@ -149,9 +130,10 @@ def validate_annotations(
                     f"{where}, field 'spans': span [{start}, {end}) is empty or reversed (start >= end)"
                 )
             if not 0 <= start < end <= len(answer):
+                article = "an" if field[0] in "aeiou" else "a"
                 raise AnnotationError(
-                    f"{where}: span [{start}, {end}) is out of range for {_article(field)} {field} of "
-                    f"{len(answer)} characters"
+                    f"{where}: span [{start}, {end}) is out of range for {article} {field} of {len(answer)} "
+                    "characters"
                 )
             if start < previous_end:
                 raise AnnotationError(
@@ -217,7 +199,3 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
         else:
             merged.append([start, end])
     return [(start, end) for start, end in merged]
-
-
-def _article(noun: str) -> str:
-    return "an" if noun[0] in "aeiou" else "a"

@@ -1,4 +1,4 @@
-"""Import TPO-style span annotations (rows carry `answer` and char `spans` with `start`/`end`)."""
+"""Import TPO-style span annotations: rows carry their `answer` and character `spans` as {start, end}."""
 
 import json
 from pathlib import Path
@@ -7,30 +7,22 @@ from palu_trainer.spans.format import AnnotationError, Span, merge_spans, write_
 
 
 def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
-    """Answers and spans of a TPO-style file (`answer` and `spans` with `start`/`end`), spans merged."""
+    """Answers and spans of a TPO-style file, spans merged."""
     answers, spans = [], []
     with open(tpo_path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            row, where = json.loads(line), f"{tpo_path} line {line_number}"
             if "answer" not in row or "spans" not in row:
-                raise AnnotationError(f"{tpo_path} line {line_number}: TPO rows need 'answer' and 'spans'")
+                raise AnnotationError(f"{where}: TPO rows need 'answer' and 'spans'")
             answers.append(row["answer"])
-            spans.append(
-                merge_spans(
-                    _checked_span(row["answer"], span, f"{tpo_path} line {line_number}")
-                    for span in row["spans"]
-                )
-            )
+            spans.append(merge_spans(_checked_span(row["answer"], span, where) for span in row["spans"]))
     return answers, spans
 
 
 def import_tpo(tpo_path: str | Path, out_path: str | Path) -> int:
-    """Convert TPO-style annotations to this format; overlapping or touching spans are merged.
-
-    Returns the number of rows written.
-    """
+    """Convert TPO-style annotations to this format, overlapping or touching spans merged; rows written."""
     if Path(out_path).resolve() == Path(tpo_path).resolve():
         raise AnnotationError(
             f"{out_path}: the output is the input file; writing it would overwrite the TPO annotations. "

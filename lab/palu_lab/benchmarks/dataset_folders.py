@@ -1,7 +1,13 @@
-"""A local benchmark in TOFU's format: which configs of a dataset folder play which part."""
+"""Writing local benchmark folders in the hub's layout (`palu_trainer.benchmarks.hf_dir` reads them): JSON
+lines files plus the README whose YAML lists the `configs`; a TOFU-format folder's parts and DPO's "I don't
+know" answers."""
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 IDK_FILE = "idk.jsonl"
 
@@ -42,9 +48,27 @@ IDK_ANSWERS = (
 )
 
 
-def tofu_splits(forget_percent: int) -> tuple[str, str, str]:
-    """TOFU's forget, retain and holdout configs for forgetting `forget_percent`% of its authors."""
-    return f"forget{forget_percent:02d}", f"retain{100 - forget_percent:02d}", f"holdout{forget_percent:02d}"
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: Sequence[dict], keys: Sequence[str]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps({key: row[key] for key in keys}, ensure_ascii=False) + "\n")
+
+
+def write_readme(directory: Path, config_names: Sequence[str], description: str) -> None:
+    """The Hugging Face README header that makes `load_dataset(directory, name=...)` work."""
+    configs = [{"config_name": name, "data_files": f"{name}.json"} for name in config_names]
+    configs[0]["default"] = True
+    write_configs_readme(directory, configs, description)
+
+
+def write_configs_readme(directory: Path, configs: Sequence[dict], description: str) -> None:
+    """A README whose YAML header lists `configs` as the hub does (`config_name`, `data_files`)."""
+    header = yaml.safe_dump({"configs": list(configs)}, sort_keys=False)
+    (directory / "README.md").write_text(f"---\n{header}---\n\n{description}\n", encoding="utf-8")
 
 
 def write_idk_answers(directory: Path) -> Path:
@@ -56,7 +80,7 @@ def write_idk_answers(directory: Path) -> Path:
 
 @dataclass(frozen=True)
 class TofuBenchmark:
-    """A local TOFU-format folder (see `hf_dir`), its forget/retain/holdout configs and forget spans."""
+    """A local TOFU-format folder, its forget/retain/holdout configs and forget spans."""
 
     tofu_dir: Path
     forget_split: str
