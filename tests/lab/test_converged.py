@@ -44,10 +44,16 @@ def test_the_plan_is_the_issues_protocol():
     assert SIZE.unlearn_epochs == 10 and len(SIZE.unlearn_learning_rates) >= 3
     for method in CONVERGED_KNOB_VALUES:
         rates = sorted({run.learning_rate for run in runs if run.method == method})
-        assert rates == sorted({*SIZE.unlearn_learning_rates, *converged.EXTENDED_RATES.get(method, ())})
-        assert sum(run.method == method for run in runs) == 2 * len(rates)
+        held = converged.HELD_BACK.get(method, ())
+        all_held = {rate for rate, _ in held if (rate, 0) in held and (rate, 1) in held}
+        grid = {*SIZE.unlearn_learning_rates, *converged.EXTENDED_RATES.get(method, ())}
+        assert rates == sorted(grid - all_held)
+        assert sum(run.method == method for run in runs) == 2 * len(rates) - len(held) + 2 * len(all_held)
     cgrad = {run.learning_rate for run in tuning_runs(["PALU_cgrad"], SIZE)}
-    assert cgrad == {3e-6, *SIZE.unlearn_learning_rates}
+    assert cgrad == {3e-6, *SIZE.unlearn_learning_rates} - {3e-4}  # both knob values held back at 3e-4
+    names = {run.name for run in tuning_runs(["PALU_cgrad"], SIZE)}
+    assert "PALU_lr3e-05_lambda1_c-gradient_seed0" in names
+    assert "PALU_lr3e-05_lambda2_c-gradient_seed0" not in names
     fast = {run.learning_rate for run in tuning_runs(["PALU_cgrad"], FAST)}
     assert fast == set(FAST.unlearn_learning_rates)
     cliff = cliff_runs(SIZE)
@@ -204,14 +210,10 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     framework, arguments, out = fake_experiment
     converged.main(arguments)
     rows = len(converged.CONVERGED_ROWS)  # the five methods, PALU with c's gradient, PALU_release
-    extended = 2 * sum(
-        len(rates) for rates in converged.EXTENDED_RATES.values()
-    )  # 3e-6 for the c-gradient rows
-    tuning, seeds, cliff = (
-        rows * 2 * len(SIZE.unlearn_learning_rates) + extended,
-        rows * 2,
-        len(CLIFF_VARIANTS),
-    )
+    extended = 2 * sum(len(rates) for rates in converged.EXTENDED_RATES.values())  # 3e-6, c-gradient rows
+    held = sum(len(runs) for runs in converged.HELD_BACK.values())
+    tuning = rows * 2 * len(SIZE.unlearn_learning_rates) + extended - held
+    seeds, cliff = rows * 2, len(CLIFF_VARIANTS)
     targets = 3  # uniform, topk_mean, ref_mean; global_mean is PALU's selected run
     assert len(framework.trained) == tuning + seeds + cliff + targets
     assert len(framework.evaluated) == (tuning + seeds + cliff + targets) * 6  # epochs 1-8, then 10
@@ -224,8 +226,8 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
     assert summary["selected"]["PALU_cgrad"] == "PALU_lr0.0001_lambda1_c-gradient_seed0"
     assert summary["selected"]["PALU_release"] == "PALU_release_lr0.0001_alpha1_seed0"
-    # the new rows' runs in the pool's order: each knob value at 3e-6 (the extension), 1e-5, 3e-5, 1e-4, and
-    # 3e-4 after them all
+    # the new rows' runs in the pool's order: the first knob value at 3e-6 (the extension), 1e-5, 3e-5, 1e-4,
+    # then the second at 3e-6 and 1e-5 (the rest held back)
     new = [
         next(part for part in overrides if part.startswith("trainer.args.learning_rate="))
         for overrides in framework.trained
@@ -234,7 +236,7 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     knob_value = [
         f"trainer.args.learning_rate={rate}" for rate in ("3e-06", "1e-05", "3e-05", "0.0001") for _ in "ab"
     ]
-    assert new[:20] == 2 * knob_value + ["trainer.args.learning_rate=0.0003"] * 4
+    assert new[:12] == knob_value + knob_value[:4]
     palu = summary["rows"]["PALU"]["forget_quality"]
     assert palu["seeds"] == 3 and palu["high"] == pytest.approx(palu["low"] * 1.1)
     assert summary["reading"][0].startswith("PALU beats")
@@ -248,6 +250,8 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     )
     assert at_80.startswith("At MU ≥ 80% of the Original's, the paper's form reaches FQ")
     markdown = (out / "converged.md").read_text()
+    held_note = "Held back after issue 59's 12 tuning hours (they cannot change the selection): PALU_cgrad lr"
+    assert f"{held_note} 3e-05 lambda 2;" in markdown
     assert "| paper (λ=1, lr 3e-05) | 41.4 / 0 / 0.007 | 779 / 0 / 3 (780) |" in markdown
     # every cliff row has the header's cells: a label's own "|" (K=1% of |V|) would shift the row's cells
     cliff_lines = markdown.split("## PALU's utility cliff")[1].split("\n\n")[1].splitlines()
