@@ -434,3 +434,11 @@ def test_the_damage_command_makes_a_run_again_and_keeps_its_evaluated_epochs(
 
     assert sum(command(overrides) == command(trained) for overrides in framework.trained) == 2
     assert all(path.exists() for path in checkpoints.values())
+
+
+def test_the_finetune_recipe_keeps_the_bytes_that_key_the_archived_original():
+    """Original's stage key holds the bytes of its experiment YAML, and every archived run is keyed by
+    Original's folder: an edit to that file, even to a comment, re-runs the whole archive (e4633db did;
+    caught before a run was lost). Change the file only with a plan to re-run the converged experiment."""
+    recipe = miniature.CONFIG_DIR / "experiment" / "finetune" / "tofu" / "tiny.yaml"
+    assert miniature.file_digest(recipe) == "f92586b39852895a18b6ad237b68f46533165692"
