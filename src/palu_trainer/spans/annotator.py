@@ -1,35 +1,9 @@
 """Mark the sensitive spans of QA answers without a model: names, titles, places, dates and specific phrases.
 
-The method is deterministic and offline:
-
-1. An answer that only says that nothing is known ("There is no publicly available information…") gets no
-   span: it has nothing to forget.
-2. Quoted titles are spans, and so are numbers and runs of capitalised words (a capital that does not start a
-   sentence, or starts one on a word the background corpus capitalises), joined through the small words of
-   names ("University of Karachi", "Dr. Josh Axe") and of quantities ("05/25/1930", "18 to 24",
-   "approximately 30", "early 1980s"). Spelled-out counts and vague determiners ("two", "specific") are
-   function words.
-3. What the question already names is context, not a fact the answer reveals: a name whose words all occur in
-   the question is no span when it ends its phrase or is possessive (the subject, "Hina Ameen's"); followed
-   by lowercase words it is a modifier and stays ("Canadian literature").
-4. Lowercase phrases are the runs of words between function words, verbs and adverbs. Whether a word acts as
-   a verb is read from the background corpus: how often it follows a subject or an auxiliary, or precedes a
-   determiner, against how often it follows a determiner or ends a phrase. A phrase is kept when its evidence
-   reaches `PHRASE_THRESHOLD`: more words, a rarer word (document frequency in the background corpus), a
-   preceding preposition, a list position, ending a clause and being what a copula says the subject is ("was
-   a radiologist") count for it; a possessor before it ("her career"), an "of" after it ("the field of") and
-   a place after the first sentence (which answers the question; later ones elaborate) count against it.
-   A phrase listed with a kept one ("identity, displacement, and resilience") needs less evidence, and
-   evaluative adjectives that open a phrase and person nouns that close it are left out ("respected
-   surgeon" and "surgeon father" reveal "surgeon").
-
+Deterministic and offline; docs/span-annotations.md ("The annotator") describes the rules and their measured
+agreement with GPT-4o, docs/muse.md the raw-text mode (`annotate_text`: news prose, paragraph by paragraph).
 The background corpus only gives word statistics. Use rows about other subjects (for TOFU, the retain split)
 so that the facts to forget stay rare in it.
-
-Raw text (`annotate_text`, news prose such as MUSE's forget articles) has no question and no answer to
-focus on: every paragraph is read on its own, the same names, numbers and phrases are spans, amounts keep
-their currency and unit ("£4.5m", "12 per cent", "$3bn"), only short quotations are titles (long ones are
-speech and are read word by word), and no sentence counts less for coming after the first.
 """
 
 import math
@@ -37,6 +11,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 from palu_trainer.spans.format import Span, merge_spans
@@ -132,9 +107,8 @@ class Style:
 
     first_sentence_focus: bool = True  # later sentences elaborate on the first, which answers the question
     amounts: bool = False  # currency signs and units join numbers
-    max_title_words: int | None = (
-        None  # quotations longer than this are speech, not titles (None: any length)
-    )
+    # quotations longer than this are speech, not titles (None: any length)
+    max_title_words: int | None = None
     name_modifiers: bool = True  # a name or number takes the lowercase words after it ("Canadian literature")
     phrase_threshold: float = PHRASE_THRESHOLD
 
@@ -237,9 +211,8 @@ def quoted_spans(answer: str) -> list[Span]:
     """Quoted titles, without the quotes or the punctuation inside them ('"The Town That Drowned."')."""
     spans = []
     for match in QUOTE_PATTERN.finditer(answer):
-        start, end = match.start(match.lastindex), match.end(match.lastindex)
-        while end > start and answer[end - 1] in ".,;:!? ":
-            end -= 1
+        start = match.start(match.lastindex)
+        end = start + len(match.group(match.lastindex).rstrip(".,;:!? "))
         if end > start:
             spans.append((start, end))
     return spans
@@ -250,13 +223,10 @@ def is_sentence_start(tokens: Sequence[Token], position: int) -> bool:
         return True
     if tokens[position - 1].text in OPENING_QUOTES and (position == 1 or tokens[position - 2].text in ":,"):
         return True  # a quotation opens: 'He said: "The plan…'; mid-sentence quotes are titles
-    before_stop = tokens[position - 2] if position >= 2 else None
-    after_abbreviation = (
-        before_stop is not None
-        and before_stop.is_word
-        and (len(before_stop.text) == 1 or before_stop.stem in TITLE_ABBREVIATIONS)
-    )
-    return tokens[position - 1].text == "." and not after_abbreviation
+    if position < 2 or tokens[position - 1].text != ".":
+        return tokens[position - 1].text == "."
+    before = tokens[position - 2]  # a stop after an initial or a title ends an abbreviation: "Dr. Josh Axe"
+    return not (before.is_word and (len(before.text) == 1 or before.stem in TITLE_ABBREVIATIONS))
 
 
 def classify(
@@ -453,15 +423,8 @@ def _coordinated(tokens: Sequence[Token], phrases: Sequence[Sequence[int]]) -> l
 
 def _runs(kinds: Sequence[str]) -> list[list[int]]:
     """Maximal runs of positions whose kind can be part of a phrase."""
-    runs: list[list[int]] = []
-    for position, kind in enumerate(kinds):
-        if kind not in PHRASE_KINDS:
-            continue
-        if runs and runs[-1][-1] == position - 1:
-            runs[-1].append(position)
-        else:
-            runs.append([position])
-    return runs
+    runs = groupby(range(len(kinds)), key=lambda position: kinds[position] in PHRASE_KINDS)
+    return [list(positions) for in_phrase, positions in runs if in_phrase]
 
 
 def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
