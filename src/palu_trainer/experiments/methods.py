@@ -165,17 +165,15 @@ def tuning_grid(
     every method has the same budget.
     """
     knob = METHODS[name].knob
-    if not tune_knobs:
-        return [(rate, {"lr": rate}, ()) for rate in learning_rates]
-    if knob is None:
-        runs = len(learning_rates) * KNOB_VALUES
-        low, high = min(learning_rates), max(learning_rates)
-        if low == high:
-            low, high = low / 2, high * 2
-        rates = [float(f"{rate:.2g}") for rate in numpy.geomspace(low, high, runs)]
-        return [(rate, {"lr": rate}, ()) for rate in rates]
-    return [
-        (rate, {"lr": rate, knob.name: value}, (f"{knob.key}={value}",))
-        for rate in learning_rates
-        for value in knob.values
-    ]
+    if tune_knobs and knob is not None:
+        return [
+            (rate, {"lr": rate, knob.name: value}, (f"{knob.key}={value}",))
+            for rate in learning_rates
+            for value in knob.values
+        ]
+    rates = learning_rates
+    if tune_knobs:  # no knob
+        low, high = min(rates), max(rates)
+        low, high = (low / 2, high * 2) if low == high else (low, high)
+        rates = [float(f"{rate:.2g}") for rate in numpy.geomspace(low, high, len(rates) * KNOB_VALUES)]
+    return [(rate, {"lr": rate}, ()) for rate in rates]

@@ -1,13 +1,8 @@
 """The paper's TOFU and MUSE recipes through the framework: unlearn, then the stock evaluation.
 
 `make tofu FORGET=05` runs PALU; `make compare FORGET=05` runs every method of the side-by-side table
-(palu_trainer.experiments.methods) and renders one table. `make muse SPLIT=News` and
-`make compare BENCH=muse SPLIT=News` do the same on MUSE (`--bench muse`): the framework's target model
-`muse-bench/MUSE-<split>_target`, its MUSE settings (experiment=unlearn/muse/default: 10 epochs, global
-batch 32, constant lr 1e-5) and PALU's own method arguments, as on TOFU.
-Hyperparameters follow the paper's appendix: 10 epochs, global batch 32, paged AdamW, one warm-up epoch,
-lr 1e-5 (grid 1e-5, 2e-5, 5e-5), PALU K=5000, N=3, c=global mean, λ=1 (grid 1, 2, 5, 10); the stock
-baselines keep the framework's method arguments (PDU: its community run.sh values), TPO its release's.
+(palu_trainer.experiments.methods) and renders one table; `--bench muse` (`make muse SPLIT=News`) does the
+same on MUSE. The hyperparameters (the paper's appendix): docs/reproducing.md; MUSE's: docs/muse.md.
 """
 
 import argparse
@@ -32,7 +27,9 @@ from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
 GLOBAL_BATCH = 32
 PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
-FLASH_ATTN_INSTALL = "make flash-attn"  # MAX_JOBS=4 pip install flash-attn --no-build-isolation
+FLASH_ATTN_INSTALL = (
+    "`make flash-attn` (MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
+)
 HF_LOGIN = "huggingface-cli login"
 
 
@@ -83,16 +80,12 @@ def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, l
     if wanted != "flash_attention_2" or (problem := flash_attention_problem()) is None:
         return (None if wanted == configured else wanted), [], []
     if requested == "flash_attention_2":
-        problem = (
-            f"attn_implementation=flash_attention_2 asked for, but {problem}: run `{FLASH_ATTN_INSTALL}` "
-            "(MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit), or ATTN=sdpa"
-        )
-        return wanted, [], [problem]
+        asked = f"attn_implementation={wanted} asked for, but {problem}"
+        return wanted, [], [f"{asked}: run {FLASH_ATTN_INSTALL}, or ATTN=sdpa"]
     warning = (
         f"model config {model} asks for flash_attention_2, but {problem}: every run uses "
         "model.model_args.attn_implementation=sdpa instead (the same model, numerically close, slower and "
-        f"more memory on long sequences). For FlashAttention-2: `{FLASH_ATTN_INSTALL}` on the GPU machine "
-        "(MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
+        f"more memory on long sequences). For FlashAttention-2: {FLASH_ATTN_INSTALL} on the GPU machine"
     )
     return "sdpa", [warning], []
 
@@ -331,14 +324,9 @@ def missing_requirements(
             f"{CONFIG_DIR / 'model'}: MODEL= names one of the framework's model configs"
         )
     else:
-        problems.extend(
-            problem
-            for problem in (
-                hub_problem(settings.model_path, "model", "config.json", environ),
-                hub_problem(settings.tokenizer_path, "tokenizer", "tokenizer_config.json", environ),
-            )
-            if problem
-        )
+        model = hub_problem(settings.model_path, "model", "config.json", environ)
+        tokenizer = hub_problem(settings.tokenizer_path, "tokenizer", "tokenizer_config.json", environ)
+        problems += [problem for problem in (model, tokenizer) if problem]
     problems.extend(settings.dataset_problems(environ))
     if not Path(settings.retain_logs_path).is_file():
         problems.append(
@@ -367,24 +355,18 @@ def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.enviro
         f"run `{HF_LOGIN}` with a token of an account that has access (if gated, accept its licence at "
         f"https://huggingface.co/{repo_id})"
     )
-    local = "or set MODEL_DIR to local weights saved with their tokenizer"
+    local, name = "or set MODEL_DIR to local weights saved with their tokenizer", f"{what} {repo_id}"
     if environ.get("HF_HUB_OFFLINE") == "1":
-        return (
-            f"{what} {repo_id}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; online, {login}; {local}"
-        )
+        return f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; online, {login}; {local}"
     try:
         get_hf_file_metadata(hf_hub_url(repo_id, filename), timeout=10)
     except GatedRepoError:
-        return f"{what} {repo_id} is gated and this machine's token has no access: {login}; {local}"
+        return f"{name} is gated and this machine's token has no access: {login}; {local}"
     except RepositoryNotFoundError:
-        return (
-            f"{what} {repo_id}: not on the hub for this machine's token (private or gated?): {login}; {local}"
-        )
+        return f"{name}: not on the hub for this machine's token (private or gated?): {login}; {local}"
     except Exception as error:  # offline, DNS failure, timeout
-        return (
-            f"{what} {repo_id}: not in the Hugging Face cache and the hub is unreachable "
-            f"({type(error).__name__}); online, {login}; {local}"
-        )
+        unreachable = f"the hub is unreachable ({type(error).__name__})"
+        return f"{name}: not in the Hugging Face cache and {unreachable}; online, {login}; {local}"
     return None
 
 
@@ -538,19 +520,9 @@ def main(argv=None) -> None:
     settings_class, subset = (MuseRecipeSettings, args.split) if muse else (RecipeSettings, args.forget)
     model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
     attention, warnings, attention_problems = choose_attention(model, args.attn)
-    settings = settings_class(
-        forget=subset,
-        model=model,
-        gpus=gpus,
-        learning_rate=args.lr,
-        kl_weight=args.kl_weight,
-        model_dir=args.model_dir,
-        retain_logs=args.retain_logs,
-        idk_answers=args.idk_answers,
-        original_logs=args.original_logs,
-        attn_implementation=attention,
-        lora=args.lora,
-    )
+    passed = ("kl_weight", "model_dir", "retain_logs", "idk_answers", "original_logs", "lora")
+    passed = {key: vars(args)[key] for key in passed}  # the options named as RecipeSettings' fields
+    settings = settings_class(subset, model, gpus, args.lr, attn_implementation=attention, **passed)
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
     if args.ablation:

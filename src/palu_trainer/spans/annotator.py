@@ -123,7 +123,6 @@ RAW_TEXT = Style(
     phrase_threshold=2.25,  # word F1 on the tuning part: 0.874 at 2.75, 0.906 at 2.25, 0.887 at 2.0
 )
 
-# Token kinds.
 QUOTED, PUNCTUATION, NUMBER, NAME, FUNCTION, VERB, CONTENT, JOINER = "QPNEFVCJ"
 PHRASE_KINDS = frozenset((NUMBER, NAME, CONTENT, JOINER))
 
@@ -140,7 +139,6 @@ class Token:
 
     @property
     def stem(self) -> str:
-        """Lowercase, without a possessive ending."""
         return POSSESSIVE.sub("", self.text.lower())
 
     @property

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from palu_trainer.spans.agreement import span_agreement, word_agreement
+from palu_trainer.spans.annotator import Background, annotate, annotate_texts, load_qa_rows
 from palu_trainer.spans.format import (
     AnnotationError,
     read_annotations,
@@ -96,8 +97,6 @@ def _run_import_tpo(args):
 
 
 def _run_annotate(args):
-    from palu_trainer.spans.annotator import Background, annotate, annotate_texts
-
     _check_out(args.out, "--out")
     rows = _dataset_rows(args)
     background_rows = (
@@ -119,7 +118,7 @@ def _run_annotate(args):
         )
         spans = annotate(rows, background, args.question_key, args.answer_key)
         texts = [row[args.answer_key] for row in rows]
-    write_annotations(args.out, texts, spans, field=_field(args))
+    write_annotations(args.out, texts, spans, field=args.text_key or "answer")
     empty = sum(not row_spans for row_spans in spans)
     in_spans = sum(end - start for row_spans in spans for start, end in row_spans)
     density = in_spans / max(sum(map(len, texts)), 1)
@@ -148,11 +147,10 @@ def _run_score(args):
 
 def _run_validate(args):
     answers = _dataset_answers(args)
-    field = _field(args)
+    field = args.text_key or "answer"
     spans = validate_annotations(read_annotations(args.file, field), answers, source=args.file, field=field)
     print(f"{args.file}: {len(answers)} rows match the dataset")
-    warning = word_cut_warning(answers, spans, args.file)
-    if warning:
+    if warning := word_cut_warning(answers, spans, args.file):
         print(f"palu-annotate validate: warning: {warning}", file=sys.stderr)
 
 
@@ -162,8 +160,6 @@ EVALUATION_CONFIGS = ("knowmem", "verbmem", "privleak")
 
 def _load_rows(dataset, name, split) -> list[dict]:
     from datasets.utils.logging import disable_progress_bar
-
-    from palu_trainer.spans.annotator import load_qa_rows
 
     disable_progress_bar()  # stderr is for errors
     local = Path(dataset).suffix in (".json", ".jsonl") or dataset.startswith((".", "/", "~"))
@@ -180,11 +176,6 @@ def _load_rows(dataset, name, split) -> list[dict]:
             f"{dataset} (--name {name}, --split {split}) could not be loaded: {reason}. Check the path, "
             "--name and --split (a local folder needs the hub README listing its configs)"
         ) from None
-
-
-def _field(args) -> str:
-    """The annotated field, which names the files' fingerprint key: answer (QA rows) or the text key."""
-    return args.text_key or "answer"
 
 
 def _dataset_rows(args) -> list[dict]:
@@ -222,7 +213,7 @@ def _read_tpo_or_none(path) -> tuple[list[str], list] | None:
 def _spans_for(args, path, tpo, answers):
     """A file's spans, checked against the answers: fingerprints for an annotation file, text for TPO."""
     if tpo is None:
-        field = _field(args)
+        field = args.text_key or "answer"
         return validate_annotations(read_annotations(path, field), answers, source=str(path), field=field)
     tpo_answers, spans = tpo
     if len(tpo_answers) != len(answers):

@@ -170,12 +170,11 @@ def _span_pairs(spans, where: str) -> list[Span]:
 
 def spans_inside_words(answer: str, spans: Iterable[Span]) -> int:
     """Spans whose start or end falls inside a word ("Kuwait" in "Al-Kuwaiti"), where a token straddles it."""
-    return sum(
-        1
-        for start, end in spans
-        if (0 < start < len(answer) and answer[start - 1].isalnum() and answer[start].isalnum())
-        or (0 < end < len(answer) and answer[end - 1].isalnum() and answer[end].isalnum())
-    )
+
+    def inside(offset: int) -> bool:
+        return 0 < offset < len(answer) and answer[offset - 1].isalnum() and answer[offset].isalnum()
+
+    return sum(inside(start) or inside(end) for start, end in spans)
 
 
 def word_cut_warning(answers: Sequence[str], spans: Sequence[Sequence[Span]], source: str) -> str | None:
