@@ -113,10 +113,8 @@ def _run_annotate(args):
         texts = [row[args.text_key] for row in rows]
         spans = annotate_texts(texts, Background(row[args.text_key] for row in background_rows))
     else:
-        background = Background(
-            f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows
-        )
-        spans = annotate(rows, background, args.question_key, args.answer_key)
+        qa = (f"{row[args.question_key]}\n{row[args.answer_key]}" for row in background_rows)
+        spans = annotate(rows, Background(qa), args.question_key, args.answer_key)
         texts = [row[args.answer_key] for row in rows]
     write_annotations(args.out, texts, spans, field=args.text_key or "answer")
     empty = sum(not row_spans for row_spans in spans)
