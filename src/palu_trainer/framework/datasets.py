@@ -27,39 +27,44 @@ from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def check_max_length(max_length) -> int:
+def check_max_length(max_length) -> None:
     """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1 (0 is not "no truncation")."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(
             f"max_length={max_length!r}: tokens kept per row must be an integer >= 1 (0 does not mean 'no "
             "truncation'); give the longest row's length or more, e.g. the default 512"
         )
-    return max_length
 
 
 class SpanRoles:
     """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
 
     The dataset owns the initiating policy (`InitiatingPolicy`): roles are fixed when it is built, for the
-    whole run. Subclasses fill `self.items` (dicts with `token_roles`, `spans_cut`, `spans_dropped`), then
-    call `_summarize`.
+    whole run.
 
     `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
     the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
     training: it stops here. `auto` is one per 10 forget items (rounded up); 0 allows it.
     """
 
-    def _read_spans(
-        self, span_annotations, policy: InitiatingPolicy, texts, field
-    ) -> list[list[tuple[int, int]]]:
-        """Validate the file against the dataset's `field` values (answers or texts); return their spans."""
+    def _read_spans(self, span_annotations, policy: InitiatingPolicy, texts, field) -> None:
+        """Validate the file against the dataset's `field` values (answers or texts); keep their spans."""
         self.span_annotations = str(span_annotations)
         self.initiating_policy = policy
         rows = read_annotations(self.span_annotations, field)
-        spans = validate_annotations(rows, texts, source=self.span_annotations, field=field)
-        if warning := word_cut_warning(texts, spans, self.span_annotations):
+        self.spans = validate_annotations(rows, texts, source=self.span_annotations, field=field)
+        if warning := word_cut_warning(texts, self.spans, self.span_annotations):
             logger.warning(warning)
-        return spans
+
+    def _with_roles(self, item: dict, offsets, spans, row: int, unplaced=()) -> dict:
+        """`item` with its tokens' roles (character ranges `offsets`) from `spans`; `unplaced` IGNORED."""
+        is_label = (item["labels"] != IGNORE_INDEX).tolist()
+        assignment = assign_token_roles(offsets, is_label, spans, self.initiating_policy, row=row)
+        assignment.roles[list(unplaced)] = int(TokenRole.IGNORED)
+        item["token_roles"] = assignment.roles
+        item["spans_cut"] = assignment.spans_cut
+        item["spans_dropped"] = assignment.spans_dropped
+        return item
 
     def __getitem__(self, idx):
         return self.items[idx]
@@ -117,26 +122,21 @@ class QAwithSpansDataset(SpanRoles, QADataset):
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
-        self.spans = self._read_spans(span_annotations, policy, self.data[self.answer_key], field="answer")
+        self._read_spans(span_annotations, policy, self.data[self.answer_key], field="answer")
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
         self._summarize("rows", min_initiating_tokens)
 
     def _item_with_roles(self, position: int) -> dict:
-        row = self.data[position]
-        item = self._process_sample(
-            question=row[self.question_key], answer=row[self.answer_key], index=row["index"]
-        )
+        row, item = self.data[position], QADataset.__getitem__(self, position)
         text, answer_start = self._templated_text(row[self.question_key], row[self.answer_key])
         input_ids = item["input_ids"].tolist()
         offsets = self._token_offsets(text, input_ids, position)
-        answer_offsets = [(start - answer_start, end - answer_start) for start, end in offsets]
-        is_label = (item["labels"] != IGNORE_INDEX).tolist()
         # Every non-special answer token must cover characters, or it gets no span role. tokenizers 0.20.0
         # gives whole-word tokens of `ignore_merges` tokenizers (Llama-3) the offsets (start, start)
         # (tokenizers #1553, fixed in 0.20.1).
         special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
-        for token, (start, end), label in zip(input_ids, offsets, is_label):
-            if label and start == end and token not in special:
+        for token, (start, end), label in zip(input_ids, offsets, item["labels"].tolist()):
+            if label != IGNORE_INDEX and start == end and token not in special:
                 name = self.tokenizer.convert_ids_to_tokens(token)
                 raise AnnotationError(
                     f"{self.span_annotations} row {position}: the tokenizer gives answer token {name!r} the "
@@ -144,13 +144,8 @@ class QAwithSpansDataset(SpanRoles, QADataset):
                     f"{tokenizers.__version__}; 0.20.0 does this to Llama-3-style tokenizers): install "
                     "tokenizers>=0.20.1"
                 )
-        assignment = assign_token_roles(
-            answer_offsets, is_label, self.spans[position], self.initiating_policy, row=int(row["index"])
-        )
-        item["token_roles"] = assignment.roles
-        item["spans_cut"] = assignment.spans_cut
-        item["spans_dropped"] = assignment.spans_dropped
-        return item
+        answer_offsets = [(start - answer_start, end - answer_start) for start, end in offsets]
+        return self._with_roles(item, answer_offsets, self.spans[position], int(row["index"]))
 
     def _templated_text(self, question: str, answer: str) -> tuple[str, int]:
         """The text the framework tokenises for this row and where the answer starts in it."""
@@ -203,7 +198,7 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         check_max_length(max_length)
         super().__init__(text_key=text_key, max_length=max_length, **kwargs)
         texts = list(load_hf_dataset(**kwargs["hf_args"])[text_key])
-        self.spans = self._read_spans(span_annotations, policy, texts, field=text_key)
+        self._read_spans(span_annotations, policy, texts, field=text_key)
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(
                 f"{self.span_annotations}: placing spans on tokens needs a fast tokenizer (offset mapping); "
@@ -249,20 +244,11 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])
         chunk_spans = [(max(a, start), min(b, end)) for a, b in joined_spans if a < end and b > start]
         self.stats["spans_split"] += sum(1 for a, b in joined_spans if a < start < b)
-        is_label = (item["labels"] != IGNORE_INDEX).tolist()
-        assignment = assign_token_roles(
-            token_offsets, is_label, chunk_spans, self.initiating_policy, row=index
-        )
-        roles = assignment.roles
         # An unplaced token sits where the previous placed one ends: inside a span if that point is.
         self.stats["span_tokens_unplaced"] += sum(
             1 for position in unplaced if any(a <= token_offsets[position][0] < b for a, b in chunk_spans)
         )
-        roles[unplaced] = int(TokenRole.IGNORED)
-        item["token_roles"] = roles
-        item["spans_cut"] = assignment.spans_cut
-        item["spans_dropped"] = assignment.spans_dropped
-        return item
+        return self._with_roles(item, token_offsets, chunk_spans, index, unplaced)
 
     def _joined_offsets(self, index, covered: str, covered_start: int, input_ids) -> tuple[list, list[int]]:
         """Each final token's character range in the joined text, and the positions that cannot be placed."""
