@@ -41,10 +41,6 @@ class SpanRoles:
 
     The dataset owns the initiating policy (`InitiatingPolicy`): roles are fixed when it is built, for the
     whole run.
-
-    `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
-    the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
-    training: it stops here. `auto` is one per 10 forget items (rounded up); 0 allows it.
     """
 
     def _read_spans(self, span_annotations, policy: InitiatingPolicy, texts, field) -> None:
@@ -73,7 +69,8 @@ class SpanRoles:
         return len(self.items)
 
     def _summarize(self, unit: str, minimum, extra: str = ""):
-        """Log the forget set's counts; stop when it has fewer than `minimum` initiating tokens."""
+        """Log the forget set's counts; stop below `minimum` initiating tokens (`min_initiating_tokens`; auto:
+        one per 10 items, rounded up), where PALU's forget loss would be ~0 and the run retain-only."""
         counts = count_roles(torch.cat([item["token_roles"] for item in self.items]))
         dropped = sum(item["spans_dropped"] for item in self.items)
         logger.info(
@@ -174,8 +171,7 @@ class QAwithSpansDataset(SpanRoles, QADataset):
             return_offsets_mapping=True,
         )
         ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-        appended_eos = len(input_ids) == len(ids) + 1 and input_ids[-1] == self.tokenizer.eos_token_id
-        if input_ids[: len(ids)] != ids or not (len(input_ids) == len(ids) or appended_eos):
+        if input_ids not in (ids, ids + [self.tokenizer.eos_token_id]):  # the framework may append EOS
             raise AnnotationError(
                 f"{self.span_annotations} row {position}: tokenising the templated text with offsets "
                 "gave other tokens than the framework's preprocessing; check template_args and the tokenizer"
@@ -212,10 +208,7 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         counted = ("spans_split", "tokens_unplaced", "span_tokens_unplaced", "chunks_realigned")
         self.stats = stats = dict.fromkeys(counted, 0)
         self.items = [
-            self._chunk_with_roles(
-                index, joined, joined_spans, encoding["input_ids"], encoding["offset_mapping"]
-            )
-            for index in range(len(self.chunks))
+            self._chunk_with_roles(index, joined, joined_spans, encoding) for index in range(len(self.chunks))
         ]
         if stats["tokens_unplaced"]:
             logger.warning(
@@ -231,14 +224,14 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
             "in spans) could not be placed in the joined text and get no loss",
         )
 
-    def _chunk_with_roles(self, index, joined, joined_spans, full_ids, full_offsets) -> dict:
+    def _chunk_with_roles(self, index, joined, joined_spans, encoding) -> dict:
         window = slice(index * self.max_length, (index + 1) * self.max_length)
-        if self.tokenizer.decode(full_ids[window]) != self.chunks[index]:
+        if self.tokenizer.decode(encoding["input_ids"][window]) != self.chunks[index]:
             raise AnnotationError(
                 f"{self.span_annotations}: chunk {index} differs from decoding its tokens of the joined "
                 "text; the framework's chunking changed, these roles would not fit its chunks"
             )
-        chunk_offsets = full_offsets[window]
+        chunk_offsets = encoding["offset_mapping"][window]
         start, end = (chunk_offsets[0][0], chunk_offsets[-1][1]) if chunk_offsets else (0, 0)
         item = PretrainingDataset.__getitem__(self, index) | {"index": index}
         token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])

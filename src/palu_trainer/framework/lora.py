@@ -86,9 +86,7 @@ def adapter_problem(model, settings: LoraSettings) -> str | None:
 
 
 def add_adapters(model, settings: LoraSettings):
-    """`model` with LoRA adapters (checked first with `adapter_problem`): a peft model whose base weights are
-    frozen. Adapters receive gradients under reentrant gradient checkpointing too (the input embeddings'
-    output requires grad)."""
+    """A peft model of `model` with LoRA adapters (check `adapter_problem` first), its base weights frozen."""
     from peft import LoraConfig, get_peft_model
 
     targets = settings.target_modules
@@ -223,15 +221,13 @@ def without_empty_parameter_groups(trainer):
 
 
 def keeping_frozen_weights_through_recompute() -> None:
-    """Make DeepSpeed's ZeRO-3 keep a LoRA run's small frozen weights gathered while a gradient-checkpointed
-    block is recomputed in the backward pass.
+    """Make ZeRO-3 keep a LoRA run's small frozen weights gathered while a checkpointed block is recomputed.
 
-    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, which are not
-    behind DeepSpeed's own linear function) by reference, not as a detached copy; ZeRO-3's post-forward hook
-    then frees them in place, and the backward finds them empty: "Recomputed values ... have different
-    metadata ... torch.Size([0])" on the first step (DeepSpeed fixed it after 0.19; the framework pins
-    0.15.4). Only weights ZeRO-3 already treats as persistent (below `stage3_param_persistence_threshold`,
-    10 x hidden by default: the norms) are kept, so the memory ZeRO-3 saves is unchanged. Patched once.
+    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, not behind
+    DeepSpeed's linear function) by reference; ZeRO-3's post-forward hook frees them in place and the backward
+    finds them empty: "Recomputed values ... have different metadata ... torch.Size([0])" on the first step
+    (fixed after DeepSpeed 0.19; the framework pins 0.15.4). Only weights ZeRO-3 already keeps (below
+    `stage3_param_persistence_threshold`, 10 x hidden by default: the norms) are kept: no memory is lost.
     """
     from deepspeed.runtime.zero.partitioned_param_coordinator import (
         PartitionedParameterCoordinator,
