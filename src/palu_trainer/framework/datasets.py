@@ -27,41 +27,40 @@ from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def check_max_length(max_length) -> int:
-    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1 (0 or a negative value would
-    reach the tokenizer as "no truncation", or an empty chunk, without a word)."""
+def check_max_length(max_length) -> None:
+    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1 (0 is not "no truncation")."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(
             f"max_length={max_length!r}: tokens kept per row must be an integer >= 1 (0 does not mean 'no "
             "truncation'); give the longest row's length or more, e.g. the default 512"
         )
-    return max_length
 
 
 class SpanRoles:
     """What QA and raw-text forget sets share: the annotation file, N, the items with roles, the log line.
 
     The dataset owns the initiating policy (`InitiatingPolicy`): roles are fixed when it is built, for the
-    whole run. Subclasses fill `self.items` (dicts with `token_roles`, `spans_cut`, `spans_dropped`), then
-    call `_log_summary` and `_check_initiating_tokens`.
-
-    `min_initiating_tokens`: below this many initiating tokens over the whole forget set (no span in
-    the file, or every span cut by `max_length`), PALU's forget loss is ~0 and the run would be retain-only
-    training: it stops here. `auto` is one per 10 forget items (rounded up); 0 allows it.
+    whole run.
     """
 
-    def _read_spans(
-        self, span_annotations, policy: InitiatingPolicy, texts, field
-    ) -> list[list[tuple[int, int]]]:
-        """Validate the file against the dataset's `field` values (answers or texts); return their spans."""
+    def _read_spans(self, span_annotations, policy: InitiatingPolicy, texts, field) -> None:
+        """Validate the file against the dataset's `field` values (answers or texts); keep their spans."""
         self.span_annotations = str(span_annotations)
         self.initiating_policy = policy
         rows = read_annotations(self.span_annotations, field)
-        spans = validate_annotations(rows, texts, source=self.span_annotations, field=field)
-        warning = word_cut_warning(texts, spans, self.span_annotations)
-        if warning:
+        self.spans = validate_annotations(rows, texts, source=self.span_annotations, field=field)
+        if warning := word_cut_warning(texts, self.spans, self.span_annotations):
             logger.warning(warning)
-        return spans
+
+    def _with_roles(self, item: dict, offsets, spans, row: int, unplaced=()) -> dict:
+        """`item` with its tokens' roles (character ranges `offsets`) from `spans`; `unplaced` IGNORED."""
+        is_label = (item["labels"] != IGNORE_INDEX).tolist()
+        assignment = assign_token_roles(offsets, is_label, spans, self.initiating_policy, row=row)
+        assignment.roles[list(unplaced)] = int(TokenRole.IGNORED)
+        item["token_roles"] = assignment.roles
+        item["spans_cut"] = assignment.spans_cut
+        item["spans_dropped"] = assignment.spans_dropped
+        return item
 
     def __getitem__(self, idx):
         return self.items[idx]
@@ -69,35 +68,11 @@ class SpanRoles:
     def __len__(self):
         return len(self.items)
 
-    def _check_initiating_tokens(self, min_initiating_tokens):
-        source = "set"
-        if min_initiating_tokens == "auto":
-            min_initiating_tokens, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
-        if (
-            isinstance(min_initiating_tokens, bool)
-            or not isinstance(min_initiating_tokens, int)
-            or min_initiating_tokens < 0
-        ):
-            raise ValueError(
-                f"min_initiating_tokens must be auto or an integer >= 0, got {min_initiating_tokens!r}"
-            )
-        found = sum(count_roles(item["token_roles"])["n_initiating"] for item in self.items)
-        logger.info(
-            "min_initiating_tokens=%d (%s); the forget set has %d", min_initiating_tokens, source, found
-        )
-        if found < min_initiating_tokens:
-            dropped = sum(item["spans_dropped"] for item in self.items)
-            raise AnnotationError(
-                f"{self.span_annotations}: {found} initiating tokens in {len(self.items)} forget rows, fewer "
-                f"than min_initiating_tokens={min_initiating_tokens} ({sum(map(len, self.spans))} spans, "
-                f"{dropped} of them dropped by max_length={self.max_length}): "
-                "PALU's forget loss would be ~0 and the run retain-only training. Annotate the spans, raise "
-                "max_length, or set min_initiating_tokens=0 to train anyway"
-            )
-
-    def _log_summary(self, unit: str, extra: str = ""):
-        roles = torch.cat([item["token_roles"] for item in self.items])
-        counts = count_roles(roles)
+    def _summarize(self, unit: str, minimum, extra: str = ""):
+        """Log the forget set's counts; stop below `minimum` initiating tokens (`min_initiating_tokens`; auto:
+        one per 10 items, rounded up), where PALU's forget loss would be ~0 and the run retain-only."""
+        counts = count_roles(torch.cat([item["token_roles"] for item in self.items]))
+        dropped = sum(item["spans_dropped"] for item in self.items)
         logger.info(
             "%s: %d %s, %d spans (%d rows without a span), %d spans cut and %d dropped by max_length=%d%s; "
             "%s; tokens: %d initiating, %d common, %d redundant",
@@ -107,7 +82,7 @@ class SpanRoles:
             sum(len(spans) for spans in self.spans),
             sum(1 for spans in self.spans if not spans),
             sum(item["spans_cut"] for item in self.items),
-            sum(item["spans_dropped"] for item in self.items),
+            dropped,
             self.max_length,
             extra,
             self.initiating_policy,
@@ -115,6 +90,20 @@ class SpanRoles:
             counts["n_common"],
             counts["n_redundant"],
         )
+        source, found = "set", counts["n_initiating"]
+        if minimum == "auto":
+            minimum, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            raise ValueError(f"min_initiating_tokens must be auto or an integer >= 0, got {minimum!r}")
+        logger.info("min_initiating_tokens=%d (%s); the forget set has %d", minimum, source, found)
+        if found < minimum:
+            raise AnnotationError(
+                f"{self.span_annotations}: {found} initiating tokens in {len(self.items)} forget rows, fewer "
+                f"than min_initiating_tokens={minimum} ({sum(map(len, self.spans))} spans, "
+                f"{dropped} of them dropped by max_length={self.max_length}): "
+                "PALU's forget loss would be ~0 and the run retain-only training. Annotate the spans, raise "
+                "max_length, or set min_initiating_tokens=0 to train anyway"
+            )
 
 
 class QAwithSpansDataset(SpanRoles, QADataset):
@@ -130,47 +119,40 @@ class QAwithSpansDataset(SpanRoles, QADataset):
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
-        self.spans = self._read_spans(span_annotations, policy, self.data[self.answer_key], field="answer")
+        self._read_spans(span_annotations, policy, self.data[self.answer_key], field="answer")
         self.items = [self._item_with_roles(position) for position in range(len(self.data))]
-        self._log_summary("rows")
-        self._check_initiating_tokens(min_initiating_tokens)
+        self._summarize("rows", min_initiating_tokens)
 
     def _item_with_roles(self, position: int) -> dict:
-        row = self.data[position]
-        item = self._process_sample(
-            question=row[self.question_key], answer=row[self.answer_key], index=row["index"]
-        )
+        row, item = self.data[position], QADataset.__getitem__(self, position)
         text, answer_start = self._templated_text(row[self.question_key], row[self.answer_key])
-        offsets = self._token_offsets(text, item["input_ids"].tolist(), position)
+        input_ids = item["input_ids"].tolist()
+        offsets = self._token_offsets(text, input_ids, position)
+        # Every non-special answer token must cover characters, or it gets no span role. tokenizers 0.20.0
+        # gives whole-word tokens of `ignore_merges` tokenizers (Llama-3) the offsets (start, start)
+        # (tokenizers #1553, fixed in 0.20.1).
+        special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+        for token, (start, end), label in zip(input_ids, offsets, item["labels"].tolist()):
+            if label != IGNORE_INDEX and start == end and token not in special:
+                name = self.tokenizer.convert_ids_to_tokens(token)
+                raise AnnotationError(
+                    f"{self.span_annotations} row {position}: the tokenizer gives answer token {name!r} the "
+                    f"empty character range ({start}, {end}), so span roles cannot be placed (tokenizers "
+                    f"{tokenizers.__version__}; 0.20.0 does this to Llama-3-style tokenizers): install "
+                    "tokenizers>=0.20.1"
+                )
         answer_offsets = [(start - answer_start, end - answer_start) for start, end in offsets]
-        is_label = (item["labels"] != IGNORE_INDEX).tolist()
-        self._refuse_zero_width_offsets(item["input_ids"].tolist(), offsets, is_label, position)
-        assignment = assign_token_roles(
-            answer_offsets, is_label, self.spans[position], self.initiating_policy, row=int(row["index"])
-        )
-        item["token_roles"] = assignment.roles
-        item["spans_cut"] = assignment.spans_cut
-        item["spans_dropped"] = assignment.spans_dropped
-        return item
+        return self._with_roles(item, answer_offsets, self.spans[position], int(row["index"]))
 
     def _templated_text(self, question: str, answer: str) -> tuple[str, int]:
         """The text the framework tokenises for this row and where the answer starts in it."""
         template = self.template_args
         if not template["apply_chat_template"]:
-            text = (
-                (template.get("system_prompt_with_special_tokens") or "")
-                + template["user_start_tag"]
-                + question
-                + template["user_end_tag"]
-                + template["asst_start_tag"]
-                + answer
-            )
-            return text, len(text) - len(answer)
-        chat = (
-            [{"role": "system", "content": template["system_prompt"]}]
-            if template.get("system_prompt")
-            else []
-        )
+            prompt = (template.get("system_prompt_with_special_tokens") or "") + template["user_start_tag"]
+            prompt += question + template["user_end_tag"] + template["asst_start_tag"]
+            return prompt + answer, len(prompt)
+        system = template.get("system_prompt")
+        chat = [{"role": "system", "content": system}] if system else []
         chat += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         date = {"date_string": template["date_string"]} if template.get("date_string") else {}
         text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, **date)
@@ -189,124 +171,77 @@ class QAwithSpansDataset(SpanRoles, QADataset):
             return_offsets_mapping=True,
         )
         ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-        appended_eos = len(input_ids) == len(ids) + 1 and input_ids[-1] == self.tokenizer.eos_token_id
-        if input_ids[: len(ids)] != ids or not (len(input_ids) == len(ids) or appended_eos):
+        if input_ids not in (ids, ids + [self.tokenizer.eos_token_id]):  # the framework may append EOS
             raise AnnotationError(
                 f"{self.span_annotations} row {position}: tokenising the templated text with offsets "
                 "gave other tokens than the framework's preprocessing; check template_args and the tokenizer"
             )
         return list(offsets) + [(0, 0)] * (len(input_ids) - len(ids))
 
-    def _refuse_zero_width_offsets(self, input_ids, offsets, is_label, position):
-        """Every non-special answer token must cover characters, or it gets no span role.
-
-        tokenizers 0.20.0 gives whole-word tokens of `ignore_merges` tokenizers (Llama-3) the offsets
-        (start, start) (tokenizers #1553, fixed in 0.20.1).
-        """
-        special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
-        for token, (start, end), label in zip(input_ids, offsets, is_label):
-            if label and start == end and token not in special:
-                name = self.tokenizer.convert_ids_to_tokens(token)
-                raise AnnotationError(
-                    f"{self.span_annotations} row {position}: the tokenizer gives answer token {name!r} the "
-                    f"empty character range ({start}, {end}), so span roles cannot be placed (tokenizers "
-                    f"{tokenizers.__version__}; 0.20.0 does this to Llama-3-style tokenizers): install "
-                    "tokenizers>=0.20.1"
-                )
-
 
 class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
     """open-unlearning's PretrainingDataset (MUSE's raw forget text) whose chunks carry `token_roles` (T,).
 
-    The framework joins the documents with "\\n\\n", tokenises the whole, cuts `max_length` tokens per
-    chunk, decodes each chunk to a string and tokenises that string again for training. Spans annotate
-    the documents (`text_sha1` files); here they are shifted into the joined text, each decoded chunk is
-    aligned back to the joined text it came from (identical in the common case, otherwise by matching
-    characters), and every final token gets the joined-text range of its characters, so roles are set on
-    the framework's own final tokens. A token none of whose characters can be placed in the joined text
-    (a byte-fallback or a multi-byte character cut at a chunk edge decodes to U+FFFD) gets no role
-    (IGNORED: no loss) and is counted; so are spans cut by a chunk edge (each part is a span of its own:
-    its first tokens in the chunk initiate it) and spans that lose tokens.
+    The documents' spans (`text_sha1` files) are shifted into the framework's joined text, each decoded chunk
+    is aligned back to the text it came from, and roles are set on the framework's own final tokens; tokens
+    that cannot be placed get no role and are counted (docs/muse.md).
     """
 
     def __init__(
-        self,
-        hf_args,
-        template_args,
-        tokenizer,
-        span_annotations,
-        min_initiating_tokens="auto",
-        text_key="text",
-        max_length=2048,
-        **kwargs,
+        self, span_annotations, min_initiating_tokens="auto", text_key="text", max_length=2048, **kwargs
     ):
         policy = InitiatingOptions.take(kwargs).policy()
         check_max_length(max_length)
-        super().__init__(
-            hf_args, template_args, tokenizer, text_key=text_key, max_length=max_length, **kwargs
-        )
-        texts = list(load_hf_dataset(**hf_args)[text_key])
-        self.spans = self._read_spans(span_annotations, policy, texts, field=text_key)
-        if not getattr(tokenizer, "is_fast", False):
+        super().__init__(text_key=text_key, max_length=max_length, **kwargs)
+        texts = list(load_hf_dataset(**kwargs["hf_args"])[text_key])
+        self._read_spans(span_annotations, policy, texts, field=text_key)
+        if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(
                 f"{self.span_annotations}: placing spans on tokens needs a fast tokenizer (offset mapping); "
-                f"{type(tokenizer).__name__} is not one"
+                f"{type(self.tokenizer).__name__} is not one"
             )
-        joined, joined_spans = join_with_spans(texts, self.spans)
-        encoding = tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
+        joined, joined_spans, offset = "\n\n".join(texts), [], 0  # the framework's join
+        for text, text_spans in zip(texts, self.spans):
+            joined_spans += [(start + offset, end + offset) for start, end in text_spans]
+            offset += len(text) + 2
+        encoding = self.tokenizer(joined, add_special_tokens=False, return_offsets_mapping=True)
         counted = ("spans_split", "tokens_unplaced", "span_tokens_unplaced", "chunks_realigned")
-        self.stats = dict.fromkeys(counted, 0)
+        self.stats = stats = dict.fromkeys(counted, 0)
         self.items = [
-            self._chunk_with_roles(
-                index, joined, joined_spans, encoding["input_ids"], encoding["offset_mapping"]
-            )
-            for index in range(len(self.chunks))
+            self._chunk_with_roles(index, joined, joined_spans, encoding) for index in range(len(self.chunks))
         ]
-        stats = self.stats
-        self._log_summary(
-            f"chunks of {len(texts)} documents",
-            f", {stats['spans_split']} split by a chunk edge; {stats['chunks_realigned']} chunks decode to "
-            f"other text than they cover, {stats['tokens_unplaced']} tokens ({stats['span_tokens_unplaced']} "
-            "in spans) could not be placed in the joined text and get no loss",
-        )
         if stats["tokens_unplaced"]:
             logger.warning(
                 "%s: %d tokens could not be placed in the joined text (role IGNORED, no loss)",
                 self.span_annotations,
                 stats["tokens_unplaced"],
             )
-        self._check_initiating_tokens(min_initiating_tokens)
+        self._summarize(
+            f"chunks of {len(texts)} documents",
+            min_initiating_tokens,
+            f", {stats['spans_split']} split by a chunk edge; {stats['chunks_realigned']} chunks decode to "
+            f"other text than they cover, {stats['tokens_unplaced']} tokens ({stats['span_tokens_unplaced']} "
+            "in spans) could not be placed in the joined text and get no loss",
+        )
 
-    def _chunk_with_roles(self, index, joined, joined_spans, full_ids, full_offsets) -> dict:
-        length = self.max_length
-        window = slice(index * length, (index + 1) * length)
-        if self.tokenizer.decode(full_ids[window]) != self.chunks[index]:
+    def _chunk_with_roles(self, index, joined, joined_spans, encoding) -> dict:
+        window = slice(index * self.max_length, (index + 1) * self.max_length)
+        if self.tokenizer.decode(encoding["input_ids"][window]) != self.chunks[index]:
             raise AnnotationError(
                 f"{self.span_annotations}: chunk {index} differs from decoding its tokens of the joined "
                 "text; the framework's chunking changed, these roles would not fit its chunks"
             )
-        chunk_offsets = full_offsets[window]
+        chunk_offsets = encoding["offset_mapping"][window]
         start, end = (chunk_offsets[0][0], chunk_offsets[-1][1]) if chunk_offsets else (0, 0)
-        item = PretrainingDataset.__getitem__(self, index)
-        item = {key: torch.as_tensor(value) for key, value in item.items()}
-        item["index"] = index
+        item = PretrainingDataset.__getitem__(self, index) | {"index": index}
         token_offsets, unplaced = self._joined_offsets(index, joined[start:end], start, item["input_ids"])
         chunk_spans = [(max(a, start), min(b, end)) for a, b in joined_spans if a < end and b > start]
         self.stats["spans_split"] += sum(1 for a, b in joined_spans if a < start < b)
-        is_label = (item["labels"] != IGNORE_INDEX).tolist()
-        assignment = assign_token_roles(
-            token_offsets, is_label, chunk_spans, self.initiating_policy, row=index
-        )
-        roles = assignment.roles
         # An unplaced token sits where the previous placed one ends: inside a span if that point is.
         self.stats["span_tokens_unplaced"] += sum(
             1 for position in unplaced if any(a <= token_offsets[position][0] < b for a, b in chunk_spans)
         )
-        roles[unplaced] = int(TokenRole.IGNORED)
-        item["token_roles"] = roles
-        item["spans_cut"] = assignment.spans_cut
-        item["spans_dropped"] = assignment.spans_dropped
-        return item
+        return self._with_roles(item, token_offsets, chunk_spans, index, unplaced)
 
     def _joined_offsets(self, index, covered: str, covered_start: int, input_ids) -> tuple[list, list[int]]:
         """Each final token's character range in the joined text, and the positions that cannot be placed."""
@@ -323,32 +258,20 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
             self.stats["chunks_realigned"] += 1
             to_joined = [-1] * len(chunk)
             matcher = difflib.SequenceMatcher(None, chunk, covered, autojunk=False)
-            for block in matcher.get_matching_blocks():
-                for step in range(block.size):
-                    to_joined[block.a + step] = covered_start + block.b + step
+            for a, b, size in matcher.get_matching_blocks():
+                to_joined[a : a + size] = range(covered_start + b, covered_start + b + size)
         offsets, unplaced, previous_end = [], [], covered_start
         for position, (start, end) in enumerate(encoding["offset_mapping"][: len(ids)]):
             placed = [to_joined[char] for char in range(start, end) if to_joined[char] >= 0]
-            if end > start and not placed and position > 0:
-                unplaced.append(position)
-                offsets.append((previous_end, previous_end))
-                continue
             if placed:
                 previous_end = placed[-1] + 1
                 offsets.append((placed[0], previous_end))
             else:
                 offsets.append((previous_end, previous_end))
+                if end > start and position > 0:  # characters, none of them in the joined text
+                    unplaced.append(position)
         self.stats["tokens_unplaced"] += len(unplaced)
         return offsets, unplaced
-
-
-def join_with_spans(texts, spans) -> tuple[str, list[tuple[int, int]]]:
-    """The framework's joined text ("\\n\\n" between documents) and the documents' spans shifted into it."""
-    joined_spans, offset = [], 0
-    for text, text_spans in zip(texts, spans):
-        joined_spans += [(start + offset, end + offset) for start, end in text_spans]
-        offset += len(text) + 2
-    return "\n\n".join(texts), joined_spans
 
 
 class DataCollatorWithTokenRoles(DataCollatorForSupervisedDataset):

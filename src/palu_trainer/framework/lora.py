@@ -1,8 +1,5 @@
-"""LoRA (peft) for every method palu-train runs, switched on with `+peft=lora` (configs/peft/lora.yaml,
-docs/lora.md): adapters checked and added, the reference the model with its adapters disabled (no second
-copy), the final save merged with the adapter beside it. Checkpoints stay as transformers writes them (the
-adapter and the optimizer state), so resuming works as without LoRA.
-"""
+"""LoRA (peft) for every method palu-train runs, `+peft=lora` (docs/lora.md): adapters checked and added, the
+reference the model with its adapters disabled (no second copy), the final save merged with the adapter."""
 
 import contextlib
 import functools
@@ -52,18 +49,16 @@ def adapter_problem(model, settings: LoraSettings) -> str | None:
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    head = model.get_output_embeddings()
-    linear = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    head, modules = model.get_output_embeddings(), dict(model.named_modules())
+    body = {name: m for name, m in modules.items() if isinstance(m, torch.nn.Linear) and m is not head}
     if settings.target_modules == "all-linear":  # peft's rule: every linear layer but the output projection
-        targeted = {name: module for name, module in linear.items() if module is not head}
+        targeted = body
     else:
         config = LoraConfig(target_modules=list(settings.target_modules))
         targeted = {
-            name: module
-            for name, module in model.named_modules()
-            if name and check_target_module_exists(config, name)
+            name: m for name, m in modules.items() if name and check_target_module_exists(config, name)
         }
-    layer_names = sorted({name.rsplit(".", 1)[-1] for name, module in linear.items() if module is not head})
+    layer_names = sorted({name.rsplit(".", 1)[-1] for name in body})
     if not targeted:
         return (
             f"peft.target_modules={list(settings.target_modules)} matches no module of "
@@ -91,9 +86,7 @@ def adapter_problem(model, settings: LoraSettings) -> str | None:
 
 
 def add_adapters(model, settings: LoraSettings):
-    """`model` with LoRA adapters (checked first with `adapter_problem`): a peft model whose base weights are
-    frozen. Adapters receive gradients under reentrant gradient checkpointing too (the input embeddings'
-    output requires grad)."""
+    """A peft model of `model` with LoRA adapters (check `adapter_problem` first), its base weights frozen."""
     from peft import LoraConfig, get_peft_model
 
     targets = settings.target_modules
@@ -133,11 +126,9 @@ def base_model(model):
     return model.get_base_model() if is_adapted(model) else model
 
 
-@contextlib.contextmanager
 def adapters_disabled(model):
     """`model` computes as its base weights inside this block (a no-op for a model without adapters)."""
-    with model.disable_adapter() if is_adapted(model) else contextlib.nullcontext():
-        yield model
+    return model.disable_adapter() if is_adapted(model) else contextlib.nullcontext()
 
 
 class AdaptersDisabled:
@@ -193,17 +184,12 @@ def merged_state_dict(state_dict: dict, model) -> dict:
     from peft.tuners.lora import LoraLayer
 
     prefix = "base_model.model."
-    layers = {
-        name.removeprefix(prefix): module
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLayer)
+    merged = {
+        key.removeprefix(prefix).replace(".base_layer.", "."): value
+        for key, value in state_dict.items()
+        if ".lora_" not in key
     }
-    merged = {}
-    for key, value in state_dict.items():
-        name = key.removeprefix(prefix)
-        if ".lora_" in name:
-            continue
-        merged[name.replace(".base_layer.", ".")] = value
+    layers = {name.removeprefix(prefix): m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, layer in layers.items():
         weight = merged[f"{name}.weight"]
         down = state_dict[f"{prefix}{name}.lora_A.{ADAPTER_NAME}.weight"].float()
@@ -235,15 +221,13 @@ def without_empty_parameter_groups(trainer):
 
 
 def keeping_frozen_weights_through_recompute() -> None:
-    """Make DeepSpeed's ZeRO-3 keep a LoRA run's small frozen weights gathered while a gradient-checkpointed
-    block is recomputed in the backward pass.
+    """Make ZeRO-3 keep a LoRA run's small frozen weights gathered while a checkpointed block is recomputed.
 
-    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, which are not
-    behind DeepSpeed's own linear function) by reference, not as a detached copy; ZeRO-3's post-forward hook
-    then frees them in place, and the backward finds them empty: "Recomputed values ... have different
-    metadata ... torch.Size([0])" on the first step (DeepSpeed fixed it after 0.19; the framework pins
-    0.15.4). Only weights ZeRO-3 already treats as persistent (below `stage3_param_persistence_threshold`,
-    10 x hidden by default: the norms) are kept, so the memory ZeRO-3 saves is unchanged. Patched once.
+    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, not behind
+    DeepSpeed's linear function) by reference; ZeRO-3's post-forward hook frees them in place and the backward
+    finds them empty: "Recomputed values ... have different metadata ... torch.Size([0])" on the first step
+    (fixed after DeepSpeed 0.19; the framework pins 0.15.4). Only weights ZeRO-3 already keeps (below
+    `stage3_param_persistence_threshold`, 10 x hidden by default: the norms) are kept: no memory is lost.
     """
     from deepspeed.runtime.zero.partitioned_param_coordinator import (
         PartitionedParameterCoordinator,
