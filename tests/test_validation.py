@@ -47,3 +47,8 @@ def test_take_removes_only_the_groups_keys():
     arguments = {"rate": 0.25, "model": "kept"}
     assert Example.take(arguments).rate == 0.25
     assert arguments == {"model": "kept"}
+
+
+def test_problem_is_the_message_of_parse_or_none():
+    assert Example.problem({"rate": 0}, "group.").startswith("group.rate=0: must be a number > 0")
+    assert Example.problem({"rate": 1}) is None

@@ -1,10 +1,7 @@
-"""The plugin's one validation system: each group of options (PALU's and TPO's `method_args`, the stock
-trainers' loss weights, LoRA's `peft` node, the Trainer's numeric arguments) is a pydantic model whose fields
-carry their range and meaning. `Options.parse` checks a group once, before anything loads, and turns the first
-problem into one sentence naming the option, the value and what to write instead.
-
-Strict: `1` is not `true`, `"0.1"` is not a number, and NaN or infinity is no loss weight.
-"""
+"""The plugin's one validation system (docs/layout.md): each group of options is a pydantic model whose
+fields carry their range and meaning; `Options.parse` turns the first problem into one sentence naming the
+option, the value and what to write instead. Strict: `1` is not `true`, `"0.1"` is not a number, and NaN or
+infinity is no loss weight."""
 
 import difflib
 from collections.abc import Mapping
@@ -90,7 +87,16 @@ class Options(BaseModel):
             return cls.model_validate(dict(values))
         except ValidationError as error:
             first = min(error.errors(), key=lambda each: each["type"] != "extra_forbidden")  # a typo first
-            raise ValueError(prefix + cls.problem(first)) from None
+            raise ValueError(prefix + cls.message(first)) from None
+
+    @classmethod
+    def problem(cls, values: Mapping, prefix: str = "") -> str | None:
+        """`parse`'s message for `values`, or None: a config check."""
+        try:
+            cls.parse(values, prefix)
+        except ValueError as error:
+            return str(error)
+        return None
 
     @classmethod
     def take(cls, arguments: dict) -> Self:
@@ -100,7 +106,7 @@ class Options(BaseModel):
         )
 
     @classmethod
-    def problem(cls, error: dict) -> str:
+    def message(cls, error: dict) -> str:
         if error["type"] == "value_error":
             return str(error["ctx"]["error"])
         name = str(error["loc"][0])

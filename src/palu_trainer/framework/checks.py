@@ -100,8 +100,7 @@ def model_path_problem(cfg, script) -> str | None:
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
-        failed = failed_run_problem(key, path)
-        if failed:
+        if failed := failed_run_problem(key, path):
             return failed
         if any((path / name).is_file() for name in files):
             continue
@@ -198,9 +197,8 @@ def resume_options_problem(cfg, script) -> str | None:
 
 
 def stock_options(cls) -> type[Options]:
-    """A stock trainer's options (the keywords of its __init__ up its MRO), checking the values its code does
-    not and that would fail at the first step or train the wrong thing: the loss weights, the beta of NPO,
-    SimNPO and DPO (it divides their loss: -2/beta · logsigmoid(...)) and GradDiff's retain loss."""
+    """A stock trainer's options (its __init__'s keywords up its MRO), checking what its code does not: the
+    loss weights, NPO's, SimNPO's and DPO's beta (their loss divides by it) and GradDiff's retain loss."""
     from trainer.base import FinetuneTrainer
     from trainer.unlearn.dpo import DPO
     from trainer.unlearn.grad_diff import GradDiff
@@ -240,11 +238,7 @@ def method_args_problem(cfg, script) -> str | None:
     if cls is None or method_args is None:
         return None
     options_type = getattr(cls, "options_type", None) or stock_options(cls)
-    try:
-        options_type.parse(OmegaConf.to_container(method_args, resolve=True), "trainer.method_args.")
-    except ValueError as error:
-        return str(error)
-    return None
+    return options_type.problem(OmegaConf.to_container(method_args, resolve=True), "trainer.method_args.")
 
 
 def trainer_data_problem(cfg, script) -> str | None:
@@ -290,14 +284,12 @@ def max_length_problem(cfg, script) -> str | None:
 
 def initiating_problem(cfg, script) -> str | None:
     """Initiating options the forget dataset would refuse (an option its strategy does not read, N < 1)."""
-    for node in (OmegaConf.select(cfg, "data.forget") or {}).values():
-        if node.get("handler") not in SPAN_DATASETS:
-            continue
-        try:
-            InitiatingOptions.parse(OmegaConf.to_container(node.get("args", {}), resolve=True))
-        except ValueError as error:
-            return str(error)
-    return None
+    problems = (
+        InitiatingOptions.problem(OmegaConf.to_container(node.get("args", {}), resolve=True))
+        for node in (OmegaConf.select(cfg, "data.forget") or {}).values()
+        if node.get("handler") in SPAN_DATASETS
+    )
+    return next(filter(None, problems), None)
 
 
 def peft_problem(cfg, script) -> str | None:

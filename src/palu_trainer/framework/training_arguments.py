@@ -83,13 +83,9 @@ def training_arguments_problem(cfg, script) -> str | None:
     unread = {name for name, strategy in READ_BY.items() if args.get(strategy, "steps") != "steps"}
     if args.get("max_steps", -1) not in (-1, None):
         unread.add("num_train_epochs")  # max_steps overrides the epochs
-    try:
-        TrainerArguments.parse(
-            {name: value for name, value in args.items() if name not in unread}, "trainer.args."
-        )
-    except ValueError as error:
-        return str(error)
-    return None
+    return TrainerArguments.problem(
+        {name: value for name, value in args.items() if name not in unread}, "trainer.args."
+    )
 
 
 def forget_weight_problem(cfg, script, warn: bool = False) -> str | None:
