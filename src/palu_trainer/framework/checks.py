@@ -43,6 +43,7 @@ ALLOW_OTHER_OPTIONS = "allow_resume_under_other_options"
 RUN_OPTIONS_FILE = "palu_run_options.json"
 # Not transformers' `overwrite_output_dir`, which 5.x removed from TrainingArguments (a TypeError there).
 ALLOW_OVERWRITE = "allow_overwriting_output_dir"
+OVERWRITE_FLAG = f"+{ALLOW_OVERWRITE}=true"
 
 
 def argv_problem(argv) -> str | None:
@@ -127,9 +128,6 @@ def model_path_problem(cfg, script) -> str | None:
             )
         return f"{key}={value}: no {files[0]} there, so it is not a saved model or tokenizer folder"
     return None
-
-
-OVERWRITE_FLAG = f"+{ALLOW_OVERWRITE}=true"
 
 
 def finished_folder_problem(cfg, script) -> str | None:
