@@ -267,16 +267,13 @@ def trainer_data_problem(cfg, script) -> str | None:
 
 def max_length_problem(cfg, script) -> str | None:
     for group, datasets in (OmegaConf.select(cfg, "data") or {}).items():
-        if not isinstance(datasets, DictConfig):
-            continue
-        for name, dataset in datasets.items():
+        for name, dataset in datasets.items() if isinstance(datasets, DictConfig) else ():
             args = dataset.get("args") if isinstance(dataset, DictConfig) else None
-            if args is None or "max_length" not in args:
-                continue
-            try:
-                check_max_length(args.max_length)
-            except ValueError as error:
-                return f"data.{group}.{name}.args.{error}"
+            if args is not None and "max_length" in args:
+                try:
+                    check_max_length(args.max_length)
+                except ValueError as error:
+                    return f"data.{group}.{name}.args.{error}"
     return None
 
 
