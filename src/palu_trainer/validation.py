@@ -18,8 +18,8 @@ def did_you_mean(value, choices) -> str:
 
 def written(value) -> str:
     """A value as a config writes it: booleans in YAML's lower case, floats without a trailing `.0`."""
-    if isinstance(value, bool):
-        return str(value).lower()
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

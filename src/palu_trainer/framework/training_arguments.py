@@ -24,8 +24,8 @@ def step_limit(value):
 
 
 def TransformersChoice(enum) -> Any:
-    """One of the installed transformers' values of `enum`."""
-    return Choice(f"one of transformers' {enum.__name__} values", *(choice.value for choice in enum))
+    """One of the installed transformers' values of `enum`, or null (transformers' default)."""
+    return Choice(f"one of transformers' {enum.__name__} values", *(choice.value for choice in enum), None)
 
 
 class TrainerArguments(Options):
