@@ -47,3 +47,16 @@ def test_take_removes_only_the_groups_keys():
     arguments = {"rate": 0.25, "model": "kept"}
     assert Example.take(arguments).rate == 0.25
     assert arguments == {"model": "kept"}
+
+
+def test_problem_is_the_message_of_parse_or_none():
+    assert Example.problem({"rate": 0}, "group.").startswith("group.rate=0: must be a number > 0")
+    assert Example.problem({"rate": 1}) is None
+
+
+def test_trainer_strategy_choices_accept_null_as_transformers_does():
+    """transformers 4.45 reads `evaluation_strategy: null` as its default: a null choice is not refused."""
+    from palu_trainer.framework.training_arguments import TrainerArguments
+
+    assert TrainerArguments.problem({"evaluation_strategy": None, "optim": None}, "trainer.args.") is None
+    assert TrainerArguments.problem({"optim": "adamw_torc"}, "trainer.args.").endswith(", null")

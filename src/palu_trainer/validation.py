@@ -1,16 +1,12 @@
-"""The plugin's one validation system: each group of options (PALU's and TPO's `method_args`, the stock
-trainers' loss weights, LoRA's `peft` node, the Trainer's numeric arguments) is a pydantic model whose fields
-carry their range and meaning. `Options.parse` checks a group once, before anything loads, and turns the first
-problem into one sentence naming the option, the value and what to write instead.
-
-Strict: `1` is not `true`, `"0.1"` is not a number, and NaN or infinity is no loss weight.
-"""
+"""The plugin's one validation system (docs/layout.md): each group of options is a pydantic model whose
+fields carry their range and meaning; `Options.parse` turns the first problem into one sentence naming the
+option, the value and what to write instead. Strict: `1` is not `true`, `"0.1"` is not a number, and NaN or
+infinity is no loss weight."""
 
 import difflib
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Self, get_args
+from typing import Annotated, Any, ClassVar, Self
 
-import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 
 
@@ -21,11 +17,9 @@ def did_you_mean(value, choices) -> str:
 
 
 def written(value) -> str:
-    """A value as a config writes it: booleans in YAML's lower case, integral bounds without a point."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
+    """A value as a config writes it: booleans in YAML's lower case, floats without a trailing `.0`."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -65,26 +59,7 @@ def Checked(meaning: str, check) -> Any:
     return Annotated[Any, AfterValidator(validate), Field(description=meaning)]
 
 
-BOUND_SYMBOLS = {
-    annotated_types.Ge: ">=",
-    annotated_types.Gt: ">",
-    annotated_types.Le: "<=",
-    annotated_types.Lt: "<",
-}
-
-
-def number_problem(info) -> str:
-    """'must be an integer >= 1 (meaning)': the range of a numeric field, read off its constraints."""
-    kinds = [kind for kind in (get_args(info.annotation) or (info.annotation,)) if kind is not type(None)]
-    words = ["must be", "an integer" if kinds == [int] else "a number"]
-    bounds = [bound for bound in info.metadata if type(bound) in BOUND_SYMBOLS]
-    words.append(
-        " and ".join(
-            f"{BOUND_SYMBOLS[type(bound)]} {written(float(getattr(bound, type(bound).__name__.lower())))}"
-            for bound in bounds
-        )
-    )
-    return f"{' '.join(filter(None, words))} ({info.description})"
+BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
 class Options(BaseModel):
@@ -96,10 +71,6 @@ class Options(BaseModel):
     MOVED: ClassVar[Mapping[str, str]] = {}
     # The names that an unknown key's message lists, where not every field (a stock trainer's keywords).
     LISTED: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(cls.model_fields)
 
     @classmethod
     def defaults(cls) -> dict:
@@ -116,27 +87,45 @@ class Options(BaseModel):
             return cls.model_validate(dict(values))
         except ValidationError as error:
             first = min(error.errors(), key=lambda each: each["type"] != "extra_forbidden")  # a typo first
-            raise ValueError(prefix + cls.problem(first)) from None
+            raise ValueError(prefix + cls.message(first)) from None
+
+    @classmethod
+    def problem(cls, values: Mapping, prefix: str = "") -> str | None:
+        """`parse`'s message for `values`, or None: a config check."""
+        try:
+            cls.parse(values, prefix)
+        except ValueError as error:
+            return str(error)
+        return None
 
     @classmethod
     def take(cls, arguments: dict) -> Self:
         """`parse` of this group's keys, taken out of a constructor's keyword `arguments` (the rest stay)."""
         return cls.parse(
-            {name: arguments.pop(name) for name in (*cls.names(), *cls.MOVED) if name in arguments}
+            {name: arguments.pop(name) for name in (*cls.model_fields, *cls.MOVED) if name in arguments}
         )
 
     @classmethod
-    def problem(cls, error: dict) -> str:
+    def message(cls, error: dict) -> str:
         if error["type"] == "value_error":
             return str(error["ctx"]["error"])
         name = str(error["loc"][0])
         if error["type"] == "extra_forbidden":
-            listed = cls.LISTED or sorted(cls.names())
+            listed = cls.LISTED or sorted(cls.model_fields)
             return (
                 f"{name} is not an option of {cls.OWNER}: {did_you_mean(name, listed)}its options are "
                 f"{', '.join(listed)}"
             )
-        return f"{name}={error['input']!r}: {number_problem(cls.model_fields[name])}"
+        # A number of the wrong type or out of range: its whole range, read off the field's constraints.
+        info = cls.model_fields[name]
+        kind = "an integer" if info.annotation in (int, int | None) else "a number"
+        bounds = " and ".join(
+            f"{symbol} {written(getattr(bound, key))}"
+            for bound in info.metadata
+            for key, symbol in BOUNDS.items()
+            if hasattr(bound, key)
+        )
+        return f"{name}={error['input']!r}: {f'must be {kind} {bounds}'.rstrip()} ({info.description})"
 
 
 # The loss weights every trainer of this plugin reads (GradDiff's gamma and alpha).

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import create_model
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
@@ -35,17 +35,6 @@ class BadInput(ValueError):
 
 SPAN_DATASETS = ("QAwithSpansDataset", "PretrainingWithSpansDataset")
 SPAN_TRAINERS = ("PALUTrainer", "TPOTrainer")
-# What the framework's load_trainer passes itself; the rest of a trainer's __init__ is its method_args.
-PASSED_BY_FRAMEWORK = {
-    "model",
-    "train_dataset",
-    "eval_dataset",
-    "tokenizer",
-    "data_collator",
-    "args",
-    "evaluators",
-    "template_args",
-}
 # Top-level keys (`+key=true`) that let a run through a check on purpose.
 ALLOW_OVERLAP = "allow_forget_retain_overlap"
 ALLOW_OTHER_DATA = "allow_resume_on_other_data"
@@ -54,8 +43,7 @@ ALLOW_OTHER_OPTIONS = "allow_resume_under_other_options"
 RUN_OPTIONS_FILE = "palu_run_options.json"
 # Not transformers' `overwrite_output_dir`, which 5.x removed from TrainingArguments (a TypeError there).
 ALLOW_OVERWRITE = "allow_overwriting_output_dir"
-# The framework's methods that probe the reference model's hidden states by module (RMU): not with LoRA.
-REFERENCE_MODULE_READERS = ("RMU",)
+OVERWRITE_FLAG = f"+{ALLOW_OVERWRITE}=true"
 
 
 def argv_problem(argv) -> str | None:
@@ -88,8 +76,7 @@ def output_dir_problem(cfg, script) -> str | None:
         return f"{where}: {existing} is a file, not a folder; choose another paths.output_dir"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        tempfile.TemporaryFile(dir=path).close()
     except OSError as error:
         return (
             f"{where}: cannot write there ({error.strerror or error}); choose a writable folder "
@@ -114,15 +101,23 @@ def model_path_problem(cfg, script) -> str | None:
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
-        failed = failed_run_problem(key, path)
-        if failed:
+        if failed := failed_run_problem(key, path):
             return failed
         if any((path / name).is_file() for name in files):
             continue
         if args == "model_args" and (path / ADAPTER_CONFIG_NAME).is_file():
-            problem = lora_checkpoint_problem(key, value)
-            if problem:
-                return problem
+            # a LoRA run's checkpoint (its adapter only) loads onto the base model its adapter config names
+            try:
+                base = adapter_checkpoint_base(value)
+            except ValueError as error:
+                return f"{key}={value}: {error}"
+            if is_local_path(base) and not (Path(base).expanduser() / "config.json").is_file():
+                return (
+                    f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
+                    f"({ADAPTER_CONFIG_NAME}: base_model_name_or_path) is not a saved model folder: put the "
+                    "model the run started from back there, or evaluate the run's final folder, which holds "
+                    "the merged weights"
+                )
             continue
         checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1] or 0))
         if checkpoints:
@@ -133,25 +128,6 @@ def model_path_problem(cfg, script) -> str | None:
             )
         return f"{key}={value}: no {files[0]} there, so it is not a saved model or tokenizer folder"
     return None
-
-
-def lora_checkpoint_problem(key: str, value: str) -> str | None:
-    """A LoRA run's checkpoint (its adapter only) loads onto the base model named in its adapter config,
-    which must still be a saved model where the run found it."""
-    try:
-        base = adapter_checkpoint_base(value)
-    except ValueError as error:
-        return f"{key}={value}: {error}"
-    if not is_local_path(base) or (Path(base).expanduser() / "config.json").is_file():
-        return None  # a hub id, or a saved model
-    return (
-        f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
-        f"({ADAPTER_CONFIG_NAME}: base_model_name_or_path) is not a saved model folder: put the model the "
-        "run started from back there, or evaluate the run's final folder, which holds the merged weights"
-    )
-
-
-OVERWRITE_FLAG = f"+{ALLOW_OVERWRITE}=true"
 
 
 def finished_folder_problem(cfg, script) -> str | None:
@@ -218,34 +194,27 @@ def resume_options_problem(cfg, script) -> str | None:
     )
 
 
-def trainer_options(cls) -> tuple[set[str], set[str]]:
-    """(method options, every accepted keyword) of a trainer class: its __init__ parameters up its MRO."""
-    method, accepted = set(), set()
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        names = {
-            name
-            for name, parameter in inspect.signature(init).parameters.items()
-            if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
-        }
-        accepted |= names
-        if not issubclass(Trainer, klass):
-            method |= names - PASSED_BY_FRAMEWORK
-    return method, accepted
-
-
 def stock_options(cls) -> type[Options]:
-    """A stock trainer's options (the keywords of its __init__ up its MRO), checking the values its code does
-    not and that would fail at the first step or train the wrong thing: the loss weights, the beta of NPO,
-    SimNPO and DPO (it divides their loss: -2/beta · logsigmoid(...)) and GradDiff's retain loss."""
+    """A stock trainer's options (its __init__'s keywords up its MRO), checking what its code does not: the
+    loss weights, NPO's, SimNPO's and DPO's beta (their loss divides by it) and GradDiff's retain loss."""
+    from trainer.base import FinetuneTrainer
     from trainer.unlearn.dpo import DPO
     from trainer.unlearn.grad_diff import GradDiff
     from trainer.unlearn.npo import NPO
     from trainer.unlearn.simnpo import SimNPO
 
-    method, accepted = trainer_options(cls)
+    method, accepted = set(), set()
+    for klass in cls.__mro__:
+        if "__init__" not in klass.__dict__:
+            continue
+        names = {
+            name
+            for name, parameter in inspect.signature(klass.__init__).parameters.items()
+            if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        }
+        accepted |= names
+        if not issubclass(FinetuneTrainer, klass):  # the framework passes Trainer's and FinetuneTrainer's
+            method |= names
     checked = {"gamma": Gamma, "alpha": Alpha}
     if issubclass(cls, (NPO, SimNPO, DPO)):
         checked["beta"] = Number(f"{cls.__name__}'s temperature; 0 divides by zero", gt=0)
@@ -267,11 +236,7 @@ def method_args_problem(cfg, script) -> str | None:
     if cls is None or method_args is None:
         return None
     options_type = getattr(cls, "options_type", None) or stock_options(cls)
-    try:
-        options_type.parse(OmegaConf.to_container(method_args, resolve=True), "trainer.method_args.")
-    except ValueError as error:
-        return str(error)
-    return None
+    return options_type.problem(OmegaConf.to_container(method_args, resolve=True), "trainer.method_args.")
 
 
 def trainer_data_problem(cfg, script) -> str | None:
@@ -302,29 +267,24 @@ def trainer_data_problem(cfg, script) -> str | None:
 
 def max_length_problem(cfg, script) -> str | None:
     for group, datasets in (OmegaConf.select(cfg, "data") or {}).items():
-        if not isinstance(datasets, DictConfig):
-            continue
-        for name, dataset in datasets.items():
+        for name, dataset in datasets.items() if isinstance(datasets, DictConfig) else ():
             args = dataset.get("args") if isinstance(dataset, DictConfig) else None
-            if args is None or "max_length" not in args:
-                continue
-            try:
-                check_max_length(args.max_length)
-            except ValueError as error:
-                return f"data.{group}.{name}.args.{error}"
+            if args is not None and "max_length" in args:
+                try:
+                    check_max_length(args.max_length)
+                except ValueError as error:
+                    return f"data.{group}.{name}.args.{error}"
     return None
 
 
 def initiating_problem(cfg, script) -> str | None:
     """Initiating options the forget dataset would refuse (an option its strategy does not read, N < 1)."""
-    for node in (OmegaConf.select(cfg, "data.forget") or {}).values():
-        if node.get("handler") not in SPAN_DATASETS:
-            continue
-        try:
-            InitiatingOptions.parse(OmegaConf.to_container(node.get("args", {}), resolve=True))
-        except ValueError as error:
-            return str(error)
-    return None
+    problems = (
+        InitiatingOptions.problem(OmegaConf.to_container(node.get("args", {}), resolve=True))
+        for node in (OmegaConf.select(cfg, "data.forget") or {}).values()
+        if node.get("handler") in SPAN_DATASETS
+    )
+    return next(filter(None, problems), None)
 
 
 def peft_problem(cfg, script) -> str | None:
@@ -337,7 +297,7 @@ def peft_problem(cfg, script) -> str | None:
             "+peft=lora is a training option: a LoRA run saves merged weights, which palu-eval loads as any "
             "model; drop +peft=lora"
         )
-    if cfg.trainer.get("handler") in REFERENCE_MODULE_READERS:
+    if cfg.trainer.get("handler") == "RMU":  # it probes the reference's hidden states by module
         return (
             f"trainer={cfg.trainer.handler} reads its reference model's modules by name, which a LoRA run's "
             "reference (the model with its adapters disabled) does not expose: run it without +peft=lora"
@@ -413,11 +373,10 @@ def dataset_fingerprint(dataset) -> str | None:
     if isinstance(items, list) and items and "token_roles" in items[0]:
         for item in items:
             digest.update(item["input_ids"].numpy().tobytes() + b"|" + item["token_roles"].numpy().tobytes())
-        return digest.hexdigest()
-    keys = row_keys(dataset)
-    if keys is None:
+    elif (keys := row_keys(dataset)) is not None:
+        digest.update(json.dumps(keys).encode())
+    else:
         return None
-    digest.update(json.dumps(keys).encode())
     return digest.hexdigest()
 
 
@@ -454,21 +413,18 @@ def resume_data_problem(checkpoint: str, current: dict) -> tuple[str | None, str
             f"{checkpoint} has no {RUN_DATA_FILE} (written before palu-trainer recorded a run's data): "
             "resuming cannot check that it continues on the same forget and retain data"
         )
-    saved = json.loads(path.read_text())
-    changed = [
-        part
-        for part in ("forget", "retain")
-        if saved.get(part, {}).get("sha1") != current.get(part, {}).get("sha1")
-    ]
+    saved, changed, details = json.loads(path.read_text()), [], []
+    for part in ("forget", "retain"):
+        then, now = saved.get(part, {}), current.get(part, {})
+        if then.get("sha1") != now.get("sha1"):
+            changed.append(part)
+            details.append(f"{part}: {then.get('rows')} rows then, {now.get('rows')} now")
+            if then.get("span_annotations") != now.get("span_annotations"):
+                details[-1] += (
+                    f", span file {then.get('span_annotations')} then, {now.get('span_annotations')} now"
+                )
     if not changed:
         return None, None
-    details = []
-    for part in changed:
-        then, now = saved.get(part, {}), current.get(part, {})
-        detail = f"{part}: {then.get('rows')} rows then, {now.get('rows')} now"
-        if then.get("span_annotations") != now.get("span_annotations"):
-            detail += f", span file {then.get('span_annotations')} then, {now.get('span_annotations')} now"
-        details.append(detail)
     details = "; ".join(details)
     return (
         f"resume_from_checkpoint={checkpoint} was trained on other {' and '.join(changed)} data ({details}; "

@@ -5,32 +5,17 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from pydantic import ConfigDict
+from transformers import trainer_utils
+from transformers.training_args import OptimizerNames
 
-from palu_trainer.validation import Checked, Integer, Number, Options, did_you_mean
+from palu_trainer.validation import Checked, Choice, Integer, Number, Options
 
-
-def transformers_choices() -> dict[str, list[str]]:
-    """trainer.args options that name one of transformers' choices -> the installed version's."""
-    from transformers.trainer_utils import IntervalStrategy, SchedulerType
-    from transformers.training_args import OptimizerNames
-
-    try:
-        from transformers.trainer_utils import SaveStrategy  # transformers >= 4.49: adds `best`
-    except ImportError:
-        SaveStrategy = IntervalStrategy
-    intervals = [choice.value for choice in IntervalStrategy]
-    return {
-        "lr_scheduler_type": [choice.value for choice in SchedulerType],
-        "optim": [choice.value for choice in OptimizerNames],
-        "eval_strategy": intervals,
-        "evaluation_strategy": intervals,
-        "logging_strategy": intervals,
-        "save_strategy": [choice.value for choice in SaveStrategy],
-    }
+Interval = trainer_utils.IntervalStrategy
+SaveStrategy = getattr(trainer_utils, "SaveStrategy", Interval)  # transformers >= 4.49: adds `best`
 
 
 def step_limit(value):
-    if value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if value == -1 or (type(value) is int and value >= 1):
         return value
     raise ValueError(
         "give a number of optimizer steps >= 1, or -1 (the default) to train trainer.args.num_train_epochs "
@@ -38,15 +23,9 @@ def step_limit(value):
     )
 
 
-def TransformersChoice(name: str) -> Any:
-    def check(value):
-        choices = transformers_choices()[name]
-        if value is not None and value not in choices:
-            suggestion = did_you_mean(value, choices)
-            raise ValueError(f"not a choice of transformers: {suggestion}choose one of {', '.join(choices)}")
-        return value
-
-    return Checked(f"one of transformers' {name} choices", check)
+def TransformersChoice(enum) -> Any:
+    """One of the installed transformers' values of `enum`, or null (transformers' default)."""
+    return Choice(f"one of transformers' {enum.__name__} values", *(choice.value for choice in enum), None)
 
 
 class TrainerArguments(Options):
@@ -86,12 +65,12 @@ class TrainerArguments(Options):
     seed: Integer("numpy's seed range", ge=0, le=2**32 - 1) = None
     data_seed: Integer("numpy's seed range", True, ge=0, le=2**32 - 1) = None
     dataloader_num_workers: Integer("worker processes; 0 loads in the main process", ge=0) = None
-    lr_scheduler_type: TransformersChoice("lr_scheduler_type") = None
-    optim: TransformersChoice("optim") = None
-    eval_strategy: TransformersChoice("eval_strategy") = None
-    evaluation_strategy: TransformersChoice("evaluation_strategy") = None
-    logging_strategy: TransformersChoice("logging_strategy") = None
-    save_strategy: TransformersChoice("save_strategy") = None
+    lr_scheduler_type: TransformersChoice(trainer_utils.SchedulerType) = None
+    optim: TransformersChoice(OptimizerNames) = None
+    eval_strategy: TransformersChoice(Interval) = None
+    evaluation_strategy: TransformersChoice(Interval) = None
+    logging_strategy: TransformersChoice(Interval) = None
+    save_strategy: TransformersChoice(SaveStrategy) = None
 
 
 # Step-interval options and the strategy that reads them.
@@ -104,32 +83,28 @@ def training_arguments_problem(cfg, script) -> str | None:
     unread = {name for name, strategy in READ_BY.items() if args.get(strategy, "steps") != "steps"}
     if args.get("max_steps", -1) not in (-1, None):
         unread.add("num_train_epochs")  # max_steps overrides the epochs
-    try:
-        TrainerArguments.parse(
-            {name: value for name, value in args.items() if name not in unread}, "trainer.args."
-        )
-    except ValueError as error:
-        return str(error)
-    return None
+    return TrainerArguments.problem(
+        {name: value for name, value in args.items() if name not in unread}, "trainer.args."
+    )
 
 
 def forget_weight_problem(cfg, script, warn: bool = False) -> str | None:
     """gamma = 0. With no retain term the loss is 0 at every step and the original model is saved (refused);
     with one, a real control run (retain-only fine-tuning) that unlearns nothing (`warn`: warned about)."""
     options = cfg.trainer.get("method_args") or {}
-    alpha, no_retain_loss = options.get("alpha"), options.get("retain_loss_type") == "none"
     if options.get("gamma") != 0:
         return None
+    alpha, no_retain_loss = options.get("alpha"), options.get("retain_loss_type") == "none"
+    retain = "alpha=0" if alpha == 0 else "retain_loss_type=none" if no_retain_loss else None
     if warn:
-        if options.get("alpha", 0) == 0 or no_retain_loss:
+        if retain or "alpha" not in options:
             return None
         return (
             "trainer.method_args.gamma=0: the forget terms have weight 0, so this run only fine-tunes on the "
             "retain set and unlearns nothing (a control run); give gamma > 0 to unlearn"
         )
-    if alpha is None or not (alpha == 0 or no_retain_loss):
+    if alpha is None or retain is None:
         return None
-    retain = "alpha=0" if alpha == 0 else "retain_loss_type=none"
     return (
         f"trainer.method_args.gamma=0 with {retain}: every term of the loss has weight 0, so the run "
         "trains nothing and saves the original model under the unlearned name. gamma weighs the forget "
