@@ -109,10 +109,10 @@ class RunGuard:
     """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
     command. An override `allow_low_disk_space=true` skips the disk check."""
 
-    def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
+    def __init__(self, trainer, argv: list[str], command: list[str]):
         self.trainer = trainer
         self.argv = list(argv)
-        self.command = list(command)
+        self.command = command
         self.program = Path(self.command[-1]).name
         self.allow_low_disk = any(
             arg.lstrip("+~").lower() in (f"{ALLOW_LOW_DISK}=true", f"{ALLOW_LOW_DISK}=1") for arg in argv

@@ -52,7 +52,7 @@ class PALUTrainer(GuardedGradDiff):
                 "which ZeRO-3 partitions: run it without DeepSpeed (one process or DDP)"
             )
         self._term_gradient_norms: dict[str, float] = {}
-        self._check_forget_batches(options.merge_adjacent_spans)
+        self._check_forget_batches()
         vocab_size = self.model.config.vocab_size
         tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
         top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, tokenizer))
@@ -85,11 +85,9 @@ class PALUTrainer(GuardedGradDiff):
             )
         return projection is not None
 
-    def _check_forget_batches(self, merge_adjacent_spans):
-        forget = getattr(self.train_dataset, "forget", None)
-        if forget is None or len(forget) == 0:
-            return
-        policy = getattr(forget, "initiating_policy", None)
+    def _check_forget_batches(self):
+        policy = getattr(getattr(self.train_dataset, "forget", None), "initiating_policy", None)
+        merge_adjacent_spans = self.options.merge_adjacent_spans
         if policy is not None and policy.merge_adjacent_spans != merge_adjacent_spans:
             raise ValueError(
                 f"method_args.merge_adjacent_spans={merge_adjacent_spans} but the forget dataset's "
