@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -38,7 +39,6 @@ FINAL_WEIGHTS = (
 )
 STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class RunStopped(SystemExit):
@@ -88,37 +88,31 @@ def finite(value) -> bool:
     return math.isfinite(value)
 
 
-def hydra_command() -> tuple[list[str], list[str]]:
-    """The running Hydra app's command (`python src/train.py`) and its arguments (`--config-name` and the
-    overrides), for the resume command of a run that no wrapper started."""
-    from hydra.core.hydra_config import HydraConfig
-
-    script = sys.argv[0]
-    command = ["python", script] if script.endswith(".py") else [Path(script).name]
-    if not HydraConfig.initialized():
-        return command, sys.argv[1:]
-    hydra = HydraConfig.get()
-    return command, [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
-
-
 def protect_run(trainer, argv: list[str] | None = None) -> "RunGuard":
     """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
-    scripts) with the running Hydra app's."""
-    guard = getattr(trainer, "run_guard", None)
-    if guard is None:
-        command, arguments = (["palu-train"], argv) if argv is not None else hydra_command()
-        guard = trainer.run_guard = RunGuard(trainer, arguments, command)
-    return guard
+    scripts) with the running Hydra app's command (`python src/train.py`), config name and overrides."""
+    if getattr(trainer, "run_guard", None) is None:
+        command, arguments = ["palu-train"], argv
+        if argv is None:
+            from hydra.core.hydra_config import HydraConfig
+
+            script, arguments = sys.argv[0], sys.argv[1:]
+            command = ["python", script] if script.endswith(".py") else [Path(script).name]
+            if HydraConfig.initialized():
+                hydra = HydraConfig.get()
+                arguments = [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
+        trainer.run_guard = RunGuard(trainer, arguments, command)
+    return trainer.run_guard
 
 
 class RunGuard:
     """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
     command. An override `allow_low_disk_space=true` skips the disk check."""
 
-    def __init__(self, trainer, argv: list[str], command: tuple[str, ...] | list[str] = ("palu-train",)):
+    def __init__(self, trainer, argv: list[str], command: list[str]):
         self.trainer = trainer
         self.argv = list(argv)
-        self.command = list(command)
+        self.command = command
         self.program = Path(self.command[-1]).name
         self.allow_low_disk = any(
             arg.lstrip("+~").lower() in (f"{ALLOW_LOW_DISK}=true", f"{ALLOW_LOW_DISK}=1") for arg in argv
@@ -146,18 +140,13 @@ class RunGuard:
         config check (`checks.finished_folder_problem`) let through only when asked to overwrite or resume."""
         checks = [empty_epoch_problem, zero_learning_rate_problem, self._nonfinite_start_problem]
         for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
-            problem = check(self.trainer)
-            if problem:
+            if problem := check(self.trainer):
                 raise RunStopped(problem, 1, self.program)
         if self.trainer.is_world_process_zero():
-            (Path(self.trainer.args.output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
-            removed = remove_stale_weights(self.trainer.args.output_dir)
-            if removed:
-                logger.warning(
-                    "removed an earlier run's final weights from %s: %s",
-                    self.trainer.args.output_dir,
-                    removed,
-                )
+            output_dir = self.trainer.args.output_dir
+            (Path(output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
+            if removed := remove_stale_weights(output_dir):
+                logger.warning("removed an earlier run's final weights from %s: %s", output_dir, removed)
 
     # -- divergence ---------------------------------------------------------------------------------------
 
@@ -189,9 +178,8 @@ class RunGuard:
                 self._stop_diverged(self._what_diverged(grad_norm))
             if preempted and not self.stopping_for_preemption:
                 self.stopping_for_preemption = True
-                control, trainer_args = self.trainer.control, self.trainer.args
-                control.should_save = control.should_training_stop = True
-                trainer_args.save_only_model = False  # the checkpoint must resume: optimizer state too
+                self.trainer.control.should_save = self.trainer.control.should_training_stop = True
+                self.trainer.args.save_only_model = False  # the checkpoint must resume: optimizer state too
             return log_save_evaluate(*args, **kwargs)
 
         return step_end
@@ -222,17 +210,13 @@ class RunGuard:
         )
 
     def _last_checkpoint(self, before_step: int) -> str:
-        checkpoints = [
-            path
-            for path in Path(self.trainer.args.output_dir).glob("checkpoint-*")
-            if path.name.split("-")[-1].isdigit() and int(path.name.split("-")[-1]) < before_step
-        ]
-        if not checkpoints:
-            return ""
-        last = max(checkpoints, key=lambda path: int(path.name.split("-")[-1]))
-        return f" Its last checkpoint before the divergence, {last}, has finite weights."
+        folders = Path(self.trainer.args.output_dir).glob("checkpoint-*")
+        steps = {int(step): path for path in folders if (step := path.name.split("-")[-1]).isdigit()}
+        if earlier := [step for step in steps if step < before_step]:
+            return f" Its last checkpoint before the divergence, {steps[max(earlier)]}, has finite weights."
+        return ""
 
-    def _stop(self, reason: str, message: str, next_step: str, exit_code: int = 1):
+    def _stop(self, reason: str, message: str, next_step: str):
         output_dir = Path(self.trainer.args.output_dir)
         if self.trainer.is_world_process_zero():
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +225,7 @@ class RunGuard:
         raise RunStopped(
             f"{message}; {output_dir} is marked failed ({FAILED_RUN_FILE}), so palu-eval refuses it. "
             f"{next_step}",
-            exit_code,
+            1,
             self.program,
         )
 
@@ -260,8 +244,7 @@ class RunGuard:
         learning rate."""
         models = {"starting model": trainer.model, "reference model": getattr(trainer, "ref_model", None)}
         for role, model in models.items():
-            names = self._nonfinite_weights(model) if model is not None else []
-            if names:
+            if names := (self._nonfinite_weights(model) if model is not None else []):
                 path = getattr(getattr(model, "config", None), "name_or_path", "") or "it"
                 return (
                     f"the {role} ({path}) holds non-finite weights before the first step: {len(names)} "
@@ -302,8 +285,6 @@ class RunGuard:
         """`_save_checkpoint` writing whole checkpoints or none: each is written into `STAGING_DIR` and
         renamed into the output folder once every rank has written its part, so a kill during a save leaves
         no half `checkpoint-N` for `resume_from_checkpoint=true` to pick; a failed save is removed."""
-        import shutil
-
         trainer = self.trainer
 
         def save(*args, **kwargs):
@@ -323,15 +304,13 @@ class RunGuard:
                     (staging / folder.name).rename(folder)
                     staging.rmdir()
                 trainer.accelerator.wait_for_everyone()
-            except RunStopped:
-                raise
-            except Exception as error:  # noqa: BLE001
-                step = trainer.state.global_step
+            except Exception as error:  # noqa: BLE001 (a RunStopped, a SystemExit, passes)
                 if trainer.is_world_process_zero():
                     shutil.rmtree(staging, ignore_errors=True)
                 self._stop(
                     "checkpoint save failed",
-                    f"writing {folder} failed at step {step}: {error}. The partial checkpoint was removed",
+                    f"writing {folder} failed at step {trainer.state.global_step}: {error}. The partial "
+                    "checkpoint was removed",
                     "Free space (or save fewer checkpoints: trainer.args.save_total_limit) and resume from "
                     "an earlier checkpoint, or run again.",
                 )

@@ -3,6 +3,7 @@
 import logging
 
 import torch
+from torch.utils.data import DataLoader
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.lora import adapters_disabled, base_model
@@ -51,7 +52,7 @@ class PALUTrainer(GuardedGradDiff):
                 "which ZeRO-3 partitions: run it without DeepSpeed (one process or DDP)"
             )
         self._term_gradient_norms: dict[str, float] = {}
-        self._check_forget_batches(options.merge_adjacent_spans)
+        self._check_forget_batches()
         vocab_size = self.model.config.vocab_size
         tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
         top_k = resolve_top_k(options.top_k, reachable_vocab_size(self.model, tokenizer))
@@ -63,8 +64,7 @@ class PALUTrainer(GuardedGradDiff):
         self.reference_cache = None
         if not self.uses_reference_cache and self.ref_model is None:
             self.ref_model = self._prepare_ref_model(self.model)
-        self._term_sums = torch.zeros(len(LOGGED_TERMS), dtype=torch.float64)
-        self._term_batches = 0
+        self._term_sums = torch.zeros(len(LOGGED_TERMS) + 1, dtype=torch.float64)  # and the micro-batches
 
     def _log_projection(self) -> bool:
         """Whether logits are projected at the loss positions only (logged, or why not)."""
@@ -85,11 +85,9 @@ class PALUTrainer(GuardedGradDiff):
             )
         return projection is not None
 
-    def _check_forget_batches(self, merge_adjacent_spans):
-        forget = getattr(self.train_dataset, "forget", None)
-        if forget is None or len(forget) == 0:
-            return
-        policy = getattr(forget, "initiating_policy", None)
+    def _check_forget_batches(self):
+        policy = getattr(getattr(self.train_dataset, "forget", None), "initiating_policy", None)
+        merge_adjacent_spans = self.options.merge_adjacent_spans
         if policy is not None and policy.merge_adjacent_spans != merge_adjacent_spans:
             raise ValueError(
                 f"method_args.merge_adjacent_spans={merge_adjacent_spans} but the forget dataset's "
@@ -171,13 +169,6 @@ class PALUTrainer(GuardedGradDiff):
 
         return project
 
-    def _cached_form(self, model, batch) -> Reference:
-        """`model`'s targets (the reference: the weights before unlearning) for a forget batch, in the
-        cache's top-m form, without gradient."""
-        with torch.no_grad():
-            states, project, _ = self._forward(model, batch)
-            return self.objective.reference(states, batch["token_roles"], project, self.reference_cache_top_m)
-
     def _build_reference_cache(self, model):
         if self.state.global_step > 0:
             raise RuntimeError(
@@ -185,20 +176,19 @@ class PALUTrainer(GuardedGradDiff):
                 f"{self.state.global_step}: resume through train(resume_from_checkpoint=...), which builds "
                 "it first, or with reference_cache=false"
             )
-        forget = self.train_dataset.forget
-        size = self.args.per_device_train_batch_size
-        batches = (
-            self._prepare_inputs(
-                self.data_collator([forget[i] for i in range(start, min(start + size, len(forget)))])
-            )
-            for start in range(0, len(forget), size)
+        forget = DataLoader(
+            self.train_dataset.forget, self.args.per_device_train_batch_size, collate_fn=self.data_collator
         )
+
+        def targets(batch):  # the weights before unlearning, in the cache's top-m form
+            states, project, _ = self._forward(model, batch)
+            return self.objective.reference(states, batch["token_roles"], project, self.reference_cache_top_m)
+
         was_training = model.training
         model.eval()
         with adapters_disabled(self.accelerator.unwrap_model(model)):  # a LoRA run's reference: the base
-            cache = build_reference_cache(
-                lambda batch: self._cached_form(model, batch), batches, self.reference_cache_dtype
-            )
+            batches = map(self._prepare_inputs, forget)
+            cache = build_reference_cache(targets, batches, self.reference_cache_dtype)
         model.train(was_training)
         logger.info(describe(cache, self.objective.top_k, self.reference_cache_dtype))
         return cache
@@ -217,8 +207,6 @@ class PALUTrainer(GuardedGradDiff):
         return ProjectionCalls(*counts.tolist(), recompute=not self.is_deepspeed_enabled)
 
     def _reference(self, forget) -> Reference:
-        """This batch's reference: from the cache (by the rows' dataset indices), or from the reference
-        model, projected inside the loss's chunks."""
         roles = forget["token_roles"]
         if self.uses_reference_cache:
             return self.reference_cache.targets(forget["index"], roles, roles.device)
@@ -251,8 +239,7 @@ class PALUTrainer(GuardedGradDiff):
         return (terms.loss, outputs) if return_outputs else terms.loss
 
     def _logs_after_this_step(self) -> bool:
-        """Whether the optimizer step this micro-batch belongs to ends in a training log (the Trainer's
-        rule: the first step with logging_first_step, then every logging_steps)."""
+        """Whether this micro-batch's optimizer step ends in a training log (the Trainer's rule)."""
         step = self.state.global_step + 1
         first = step == 1 and self.args.logging_first_step
         return first or (self.args.logging_steps > 0 and step % self.args.logging_steps == 0)
@@ -261,9 +248,8 @@ class PALUTrainer(GuardedGradDiff):
         counts = count_roles(roles)
         values = [float(term.detach()) for term in (terms.local, terms.kl, terms.retain)]
         self.last_terms = dict(zip(("local", "kl", "retain"), values))  # named when one is non-finite
-        values += [counts[key] for key in LOGGED_TERMS[3:]]
+        values += [*(counts[key] for key in LOGGED_TERMS[3:]), 1]
         self._term_sums += torch.tensor(values, dtype=torch.float64)
-        self._term_batches += 1
         if self.options.log_term_gradient_norms and model.training and self._logs_after_this_step():
             parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
             self._term_gradient_norms = term_gradient_norms(terms.weighted, parameters)
@@ -271,8 +257,8 @@ class PALUTrainer(GuardedGradDiff):
     def log(self, logs, *args, **kwargs):
         """Add the mean of each PALU term since the last training log; token counts are per global batch.
         (transformers >= 4.47 passes the Trainer's `start_time` too: handed on unchanged.)"""
-        if "loss" in logs and self._term_batches:
-            totals = torch.cat([self._term_sums, torch.tensor([self._term_batches], dtype=torch.float64)])
+        if "loss" in logs and self._term_sums[-1]:
+            totals = self._term_sums
             if self.accelerator.num_processes > 1:
                 totals = self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum").cpu()
             steps = totals[-1] / (self.accelerator.num_processes * self.args.gradient_accumulation_steps)
@@ -284,5 +270,4 @@ class PALUTrainer(GuardedGradDiff):
             }
             self._term_gradient_norms = {}
             self._term_sums.zero_()
-            self._term_batches = 0
         super().log(logs, *args, **kwargs)
