@@ -33,9 +33,8 @@ def is_checkout(path: Path) -> bool:
 
 
 def checkout_dir() -> Path:
-    """OPEN_UNLEARNING_DIR; else the working directory if it is a checkout (a user who installed the plugin
-    into their own framework environment runs from their clone); else the checkout `make setup` recorded;
-    else the default cache dir."""
+    """OPEN_UNLEARNING_DIR; else the working directory if it is a checkout (a user's own framework clone);
+    else the checkout `make setup` recorded; else the default cache dir."""
     if os.environ.get("OPEN_UNLEARNING_DIR"):
         return Path(os.environ["OPEN_UNLEARNING_DIR"]).expanduser().resolve()
     if is_checkout(Path.cwd()):
