@@ -1,9 +1,6 @@
-"""Ground floor: where open-unlearning's checkout is, and putting its `src/` on sys.path.
-
-open-unlearning is not a package: its `src/` holds top-level modules (`data`, `trainer`, `train`…)
-that its scripts import after Python puts `src/` on the path. Everything that imports them calls
-`ensure_importable()` first; this module itself imports nothing of the framework.
-"""
+"""Ground floor: where open-unlearning's checkout is, and putting its `src/` on sys.path. open-unlearning is
+not a package: its scripts import `src/`'s top-level modules (`data`, `trainer`, `train`…) with `src/` on the
+path, so whatever imports them calls `ensure_importable()` first. This module imports none of them."""
 
 import os
 import sys

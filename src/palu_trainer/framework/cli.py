@@ -111,8 +111,6 @@ def run_framework_script(script: str, config_name: str) -> None:
     from palu_trainer.framework import checks
 
     module = importlib.import_module(script)
-    framework_main = module.main.__wrapped__
-    load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
@@ -124,7 +122,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
         patch_framework_script(module, cfg)  # what the Hydra callback does under src/train.py
-        if load_trainer is not None:
+        if script == "train":
             from trainer import TRAINER_REGISTRY
 
             trainer_class = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
@@ -151,7 +149,7 @@ def run_framework_script(script: str, config_name: str) -> None:
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
         try:
-            framework_main(cfg)
+            module.main.__wrapped__(cfg)  # the framework's main, without its own hydra.main
             release_process_group()
         except checks.BadInput as error:
             sys.exit(f"{prog}: {error}")

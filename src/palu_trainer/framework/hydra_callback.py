@@ -23,8 +23,7 @@ class FrameworkScript(Callback):
         problems = config_problems(config, script)
         if problems:
             raise RunStopped("\n".join(problems))
-        if script == "train":
-            taken = take_output_folder(config.paths.output_dir)
-            if taken:
-                raise RunStopped(taken)
+        taken = script == "train" and take_output_folder(config.paths.output_dir)
+        if taken:
+            raise RunStopped(taken)
         patch_framework_script(module, config)

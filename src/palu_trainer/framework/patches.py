@@ -120,9 +120,8 @@ def guarding(trainer, trainer_args, argv: list[str]):
 
 def merging_adapter_checkpoints(get_model):
     """The framework's `get_model`, which for a LoRA run's checkpoint (the adapter only) loads the base model
-    its adapter_config.json names, as it loads any model, and merges the adapter in: the evaluator then gets
-    a plain model, as from the run's final folder. transformers alone would attach the adapter unmerged, with
-    its dropout left in training mode."""
+    its adapter_config.json names and merges the adapter in: a plain model, as from the run's final folder,
+    where transformers alone would attach the adapter unmerged, its dropout in training mode."""
 
     @functools.wraps(get_model)
     def load(model_cfg, *args, **kwargs):
