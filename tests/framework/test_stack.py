@@ -149,7 +149,7 @@ def fake_framework(tmp_path, passes_processing_class: bool, pin: str) -> Path:
 def test_processing_class_on_an_older_transformers_is_named_with_both_versions(tmp_path, monkeypatch):
     src = fake_framework(tmp_path, passes_processing_class=True, pin="4.51.3")
     monkeypatch.setattr(stack, "trainer_takes_processing_class", lambda: False)
-    monkeypatch.setattr(transformers, "__version__", "4.45.1")
+    monkeypatch.setattr(stack.transformers, "__version__", "4.45.1")
     problem = stack.stack_problem(src)
     assert "passes processing_class= to the Trainer (its transformers 4.51.3)" in problem
     assert "which transformers 4.45.1 does not have (added in 4.46)" in problem
@@ -159,7 +159,7 @@ def test_processing_class_on_an_older_transformers_is_named_with_both_versions(t
 
 def test_transformers_5_is_refused_only_under_a_framework_that_pins_4(tmp_path, monkeypatch):
     src = fake_framework(tmp_path, passes_processing_class=True, pin="4.51.3")
-    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    monkeypatch.setattr(stack.transformers, "__version__", "5.24.0")
     problem = stack.stack_problem(src)
     assert "transformers 5.24.0 is installed" in problem and "(transformers 4.51.3)" in problem
     assert (
