@@ -11,7 +11,6 @@ retain row, so the one-process run sees the same batches and its losses are the 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from palu_trainer.framework.launch import shared_memory_op_dir, write_accelerate_config
+from palu_trainer.framework.launch import free_port, shared_memory_op_dir, write_accelerate_config
 from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
 from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.method.roles import label_positions
@@ -113,12 +112,6 @@ def zero3_config(tmp_path_factory):
             "delete it"
         )
     return write_accelerate_config(tmp_path_factory.mktemp("zero3"), num_processes=2, bf16="auto")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def fault_stacks(stderr: str) -> str:

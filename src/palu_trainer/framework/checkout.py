@@ -1,9 +1,6 @@
-"""Ground floor: where open-unlearning's checkout is, and putting its `src/` on sys.path.
-
-open-unlearning is not a package: its `src/` holds top-level modules (`data`, `trainer`, `train`…)
-that its scripts import after Python puts `src/` on the path. Everything that imports them calls
-`ensure_importable()` first; this module itself imports nothing of the framework.
-"""
+"""Ground floor: where open-unlearning's checkout is, and putting its `src/` on sys.path. open-unlearning is
+not a package: its scripts import `src/`'s top-level modules (`data`, `trainer`, `train`…) with `src/` on the
+path, so whatever imports them calls `ensure_importable()` first. This module imports none of them."""
 
 import os
 import sys
@@ -33,9 +30,8 @@ def is_checkout(path: Path) -> bool:
 
 
 def checkout_dir() -> Path:
-    """OPEN_UNLEARNING_DIR; else the working directory if it is a checkout (a user who installed the plugin
-    into their own framework environment runs from their clone); else the checkout `make setup` recorded;
-    else the default cache dir."""
+    """OPEN_UNLEARNING_DIR; else the working directory if it is a checkout (a user's own framework clone);
+    else the checkout `make setup` recorded; else the default cache dir."""
     if os.environ.get("OPEN_UNLEARNING_DIR"):
         return Path(os.environ["OPEN_UNLEARNING_DIR"]).expanduser().resolve()
     if is_checkout(Path.cwd()):

@@ -46,6 +46,12 @@ Full help: {prog} --help-full (Hydra's help and every default), {prog} ... --cfg
 """
 
 
+def refuse(prog: str, problem: str | None) -> None:
+    """Exit with `problem`, if there is one, named by the command `prog`."""
+    if problem:
+        sys.exit(f"{prog}: {problem}")
+
+
 def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
     """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder).
     Returns the composed config (with its `hydra` node) when it is the one Hydra's run composes, else None."""
@@ -54,9 +60,7 @@ def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
 
     from palu_trainer.framework.checks import CONFIG_WARNINGS, argv_problem, config_problems
 
-    problem = argv_problem(argv)
-    if problem:
-        sys.exit(f"{prog}: {problem}")
+    refuse(prog, argv_problem(argv))
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit:
@@ -77,19 +81,11 @@ def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
     return None if args.config_path or args.config_dir else cfg
 
 
-def answering_hydras_mode_probe(mode) -> None:
-    """Hydra 1.3 composes the whole config twice per run: once only to read `hydra.mode` (`Hydra.get_mode`),
-    then to run. The precheck's composition holds that value: one composition (2 to 4 s) fewer per launch."""
-    from hydra._internal.hydra import Hydra
-
-    if hasattr(Hydra, "get_mode"):
-        Hydra.get_mode = lambda self, config_name, overrides: mode
-
-
 def run_framework_script(script: str, config_name: str) -> None:
     """Run the framework's `script` (train | eval) on `sys.argv` with `config_name`, as its entry point."""
     import hydra
     import torch
+    from hydra._internal.hydra import Hydra
     from hydra.core.hydra_config import HydraConfig
 
     prog = Path(sys.argv[0]).name
@@ -101,48 +97,36 @@ def run_framework_script(script: str, config_name: str) -> None:
     from palu_trainer.training.run_stats import RUN_STATS_VARIABLE, with_run_stats
 
     src = ensure_importable()
-    problem = stack_problem(src)
-    if problem:
-        sys.exit(f"{prog}: {problem}")
+    refuse(prog, stack_problem(src))
     register()
     composed = precheck(prog, script, config_name, src.parent / "configs", argv)
-    if script == "train" and composed is not None:
-        # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
-        problem = take_output_folder(composed.paths.output_dir)
-        if problem:
-            sys.exit(f"{prog}: {problem}")
     if composed is not None:
-        answering_hydras_mode_probe(composed.hydra.mode)
-    from palu_trainer.framework.checks import (
-        ALLOW_OTHER_DATA,
-        BadInput,
-        cpu_runtime_missing,
-        mid_epoch_warning,
-    )
+        if script == "train":
+            # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
+            refuse(prog, take_output_folder(composed.paths.output_dir))
+        # Hydra 1.3 composes the whole config twice per run, once only to read `hydra.mode`: the precheck's
+        # composition holds that value, one composition (2 to 4 s) fewer per launch
+        if hasattr(Hydra, "get_mode"):
+            Hydra.get_mode = lambda self, config_name, overrides, mode=composed.hydra.mode: mode
+    from palu_trainer.framework import checks
 
     module = importlib.import_module(script)
-    framework_main = module.main.__wrapped__
-    load_trainer = getattr(module, "load_trainer", None)  # train.py's; eval.py has none
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
         runtime = HydraConfig.get().runtime.choices.get("runtime")
-        problem = cpu_runtime_missing(runtime, torch.cuda.is_available())
-        if problem:
-            sys.exit(f"{prog}: {problem}")
+        refuse(prog, checks.cpu_runtime_missing(runtime, torch.cuda.is_available()))
         try:
             for line in redirect_to_local_mirrors(cfg):
                 logger.info("local dataset mirror: %s", line)
         except FileNotFoundError as error:
             sys.exit(f"{prog}: {error}")
         patch_framework_script(module, cfg)  # what the Hydra callback does under src/train.py
-        if load_trainer is not None:
+        if script == "train":
             from trainer import TRAINER_REGISTRY
 
             trainer_class = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
-            problem = trainer_class and compute_loss_problem(trainer_class, src)
-            if problem:
-                sys.exit(f"{prog}: {problem}")
+            refuse(prog, trainer_class and compute_loss_problem(trainer_class, src))
             args = cfg.trainer.args
             try:
                 checkpoint = checkpoint_to_resume(
@@ -150,32 +134,27 @@ def run_framework_script(script: str, config_name: str) -> None:
                 )
             except (FileNotFoundError, ValueError) as error:
                 sys.exit(f"{prog}: {error}")
-            problem = resumed_model_problem(
-                checkpoint, cfg.model.model_args.get("pretrained_model_name_or_path")
-            )
-            if problem:
-                sys.exit(f"{prog}: {problem}")
-            warning = checkpoint and mid_epoch_warning(checkpoint)
+            model = cfg.model.model_args.get("pretrained_model_name_or_path")
+            refuse(prog, resumed_model_problem(checkpoint, model))
+            warning = checkpoint and checks.mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
             # module.load_trainer as patch_framework_script wrapped it (LoRA, the options record)
             module.load_trainer = guarding(
                 averaging_accumulated_losses(
-                    resuming(module.load_trainer, checkpoint, bool(cfg.get(ALLOW_OTHER_DATA, False)))
+                    resuming(module.load_trainer, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
                 ),
                 argv,
             )
             if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
                 module.load_trainer = with_run_stats(module.load_trainer)
         try:
-            framework_main(cfg)
+            module.main.__wrapped__(cfg)  # the framework's main, without its own hydra.main
             release_process_group()
-        except BadInput as error:
+        except checks.BadInput as error:
             sys.exit(f"{prog}: {error}")
         except Exception as error:
-            hint = hub_hint(error)
-            if hint:
-                sys.exit(f"{prog}: {hint}")
+            refuse(prog, hub_hint(error))
             raise
 
     main()

@@ -1,7 +1,6 @@
 """Launching the framework's runs, the one way the recipes and the lab do it: `palu-train` or `palu-eval` in
-a subprocess, alone or under accelerate with the framework's ZeRO-3 configs (written where a launch from any
-folder finds them), logged to a file; DeepSpeed's CPU shared-memory op, built before a launch needs it
-(`python -m palu_trainer.framework.launch`, which `make setup` runs)."""
+a subprocess, alone or under accelerate + ZeRO-3, logged to a file; DeepSpeed's CPU shared-memory op, built
+before a launch needs it (`python -m palu_trainer.framework.launch`, which `make setup` runs)."""
 
 import json
 import shlex
@@ -17,12 +16,9 @@ from palu_trainer.framework.checkout import checkout_dir
 
 
 def write_accelerate_config(directory: Path, num_processes: int, bf16: bool | str = True) -> Path:
-    """The framework's accelerate + ZeRO-3 configs, made launchable from any directory.
-
-    Its accelerate config names the DeepSpeed JSON by a path relative to the checkout; this writes both
-    into `directory` with an absolute path, `num_processes` and DeepSpeed's bf16 setting (`auto` follows
-    TrainingArguments, as CPU runs need).
-    """
+    """The framework's accelerate + ZeRO-3 configs in `directory`, launchable from any folder: the DeepSpeed
+    JSON named by its absolute path (the framework's is relative to the checkout), with `num_processes` and
+    DeepSpeed's bf16 setting (`auto` follows TrainingArguments, as CPU runs need)."""
     source = checkout_dir() / "configs" / "accelerate"
     deepspeed = json.loads((source / "zero_stage3_offload_config.json").read_text())
     deepspeed["bf16"]["enabled"] = bf16
@@ -69,10 +65,9 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 def shared_memory_op_dir(build: bool = False) -> Path | None:
-    """The folder where torch builds DeepSpeed's CPU shared-memory op (its `lock` file marks a build under
-    way, or a killed one), built first with `build`: every ZeRO-3 launch on the CPU loads it, and the first
-    one compiles it (about a minute) while the other ranks wait. None where the accelerator has no such op
-    (CUDA)."""
+    """Where torch builds DeepSpeed's CPU shared-memory op (a `lock` file there: a build under way or killed),
+    built first with `build`: every ZeRO-3 launch on the CPU loads it, the first compiling it (a minute)
+    while the other ranks wait. None where the accelerator has no such op (CUDA)."""
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 

@@ -14,13 +14,8 @@ def dataset_loads(cfg, trail: str = ""):
     """Yield (config path, hf_args node) for every dataset load in a composed config (few-shot ones too)."""
     from omegaconf import DictConfig, ListConfig
 
-    if isinstance(cfg, DictConfig):
-        items = [(key, cfg._get_node(key)) for key in cfg.keys()]
-    elif isinstance(cfg, ListConfig):
-        items = [(index, cfg._get_node(index)) for index in range(len(cfg))]
-    else:
-        return
-    for key, child in items:
+    for key in cfg.keys() if isinstance(cfg, DictConfig) else range(len(cfg)):
+        child = cfg._get_node(key)
         if not isinstance(child, (DictConfig, ListConfig)) or child._is_interpolation():
             continue
         if str(key).endswith("hf_args") and isinstance(child, DictConfig):
@@ -30,30 +25,22 @@ def dataset_loads(cfg, trail: str = ""):
 
 
 def mirror_cache_dir(mirror_dir: Path) -> Path:
-    """A `datasets` cache folder for this mirror's current contents.
-
-    `datasets` caches a local folder under its base name: an edited file, or another mirror with the same
-    folder name, would be served from the old cache. The folder's path and its files' bytes key this one.
-    """
+    """A `datasets` cache folder keyed by this mirror's path and its files' bytes: `datasets` caches a local
+    folder under its base name, and would serve an edited file, or another mirror of that name, from the old
+    cache."""
     import datasets
 
     digest = hashlib.sha1(str(mirror_dir).encode())
     for path in sorted(mirror_dir.iterdir()):
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return (
-        Path(datasets.config.HF_DATASETS_CACHE)
-        / "palu_mirrors"
-        / f"{mirror_dir.name}-{digest.hexdigest()[:16]}"
-    )
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "palu_mirrors"
+    return cache / f"{mirror_dir.name}-{digest.hexdigest()[:16]}"
 
 
 def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
-    """Point every load of a mirrored hub dataset at its local directory; return what changed.
-
-    Fails before anything loads when the directory lacks a config or split some load needs. Each load gets the
-    mirror's own cache folder (`mirror_cache_dir`), so it reads the mirror's current files.
-    """
+    """Point every load of a mirrored hub dataset at its local directory and its own cache folder
+    (`mirror_cache_dir`); return what changed. Fails before anything loads if a config or split is missing."""
     from omegaconf import open_dict
 
     redirected = []

@@ -1,12 +1,14 @@
-"""The framework's loaders (`get_model`, `get_data`, `load_trainer`) wrapped. `patch_framework_script` is what
-every run gets; `resuming`, `averaging_accumulated_losses` and `guarding` are palu-train's, for the stock
-trainers."""
+"""The framework's loaders (`get_model`, `get_data`, `load_trainer`) wrapped: `patch_framework_script` for
+every run; `resuming`, `averaging_accumulated_losses` and `guarding` by palu-train, for the stock trainers."""
 
 import functools
 import logging
 
 import torch
+from omegaconf import open_dict
 
+from palu_trainer.framework import lora
+from palu_trainer.framework.run_guard import RunStopped, protect_run
 from palu_trainer.training.resume import allow_numpy_rng_state
 
 logger = logging.getLogger(__name__)
@@ -33,23 +35,16 @@ def loader_wrapper(step):
 def resuming(trainer, trainer_args, checkpoint: str | None, allow_other_data: bool = False):
     """A trainer that resumes from `checkpoint` (train.py calls `train()`). Its checkpoints record the run's
     data (`checks.CheckpointRecord`); resuming on other data is refused."""
-    from palu_trainer.framework.checks import (
-        RUN_DATA_FILE,
-        BadInput,
-        CheckpointRecord,
-        resume_data_problem,
-        run_data,
-    )
+    from palu_trainer.framework import checks
 
-    record = run_data(trainer.train_dataset)
+    record = checks.run_data(trainer.train_dataset)
+    trainer.add_callback(checks.CheckpointRecord(checks.RUN_DATA_FILE, record))
     if checkpoint is not None:
-        error, warning = resume_data_problem(checkpoint, record)
+        error, warning = checks.resume_data_problem(checkpoint, record)
         if error and not allow_other_data:
-            raise BadInput(error)
+            raise checks.BadInput(error)
         if warning or error:
             logger.warning(warning or error)
-    trainer.add_callback(CheckpointRecord(RUN_DATA_FILE, record))
-    if checkpoint is not None:
         logger.info("resuming from %s", checkpoint)
         allow_numpy_rng_state()
         trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
@@ -80,13 +75,8 @@ def upcast_logits_in_eval(module, args, output):
 
 @loader_wrapper
 def upcasting_evaluation_logits(model, tokenizer):
-    """A model that returns fp32 logits in eval mode.
-
-    transformers 4.46 and later return logits in the model's dtype (4.45 upcast them in `forward`); the
-    framework's TOFU and MUSE metrics call `.numpy()` on values computed from them, which numpy refuses for
-    bf16 ("Got unsupported ScalarType BFloat16"): every bf16 evaluation on the 4.51 stack stopped there, in
-    palu-eval and in the Trainer's evaluation during training. Training (`model.training`) is left as it is.
-    """
+    """A model that returns fp32 logits in eval mode, as transformers 4.45 did: from 4.46 they keep the
+    model's dtype, and the framework's metrics hand bf16 to numpy, which refuses it (docs/reproducing.md)."""
     model.register_forward_hook(upcast_logits_in_eval)
     return model, tokenizer
 
@@ -110,14 +100,9 @@ def checking_data(get_data, cfg):
 
 @loader_wrapper
 def averaging_accumulated_losses(trainer, trainer_args):
-    """A trainer that divides each micro-batch's loss by the accumulation steps.
-
-    transformers 4.46 and later skip that division for a model whose forward takes `**kwargs` (Llama, Qwen,
-    Gemma on 4.51), expecting `compute_loss` to sum over the batch and divide by `num_items_in_batch`. Every
-    unlearning loss of the framework, PALU's and TPO's are means per micro-batch that ignore it, so with
-    gradient accumulation their gradient would grow with the accumulation steps on 4.51 and not on 4.45:
-    side-by-side runs would differ by stack. This restores the division the pinned stack made.
-    """
+    """A trainer that divides each micro-batch's loss by the accumulation steps, as transformers 4.45 did:
+    4.51 skips it for Llama, Qwen and Gemma, and the unlearning losses, means per micro-batch, would then grow
+    with the accumulation steps (docs/setup.md, "Gradient accumulation on upstream main")."""
     if getattr(trainer, "model_accepts_loss_kwargs", False):
         trainer.model_accepts_loss_kwargs = False
         logger.info("loss divided by gradient_accumulation_steps per micro-batch (a mean per micro-batch)")
@@ -128,8 +113,6 @@ def averaging_accumulated_losses(trainer, trainer_args):
 def guarding(trainer, trainer_args, argv: list[str]):
     """A guarded trainer (`run_guard.protect_run`; PALU's and TPO's guard themselves): the stock trainers
     under palu-train too."""
-    from palu_trainer.framework.run_guard import protect_run
-
     if trainer_args.do_train:
         protect_run(trainer, argv)
     return trainer, trainer_args
@@ -137,17 +120,13 @@ def guarding(trainer, trainer_args, argv: list[str]):
 
 def merging_adapter_checkpoints(get_model):
     """The framework's `get_model`, which for a LoRA run's checkpoint (the adapter only) loads the base model
-    its adapter_config.json names, as it loads any model, and merges the adapter in: the evaluator then gets
-    a plain model, as from the run's final folder. transformers alone would attach the adapter unmerged, with
-    its dropout left in training mode."""
-    from omegaconf import open_dict
-
-    from palu_trainer.framework.lora import adapter_checkpoint_base
+    its adapter_config.json names and merges the adapter in: a plain model, as from the run's final folder,
+    where transformers alone would attach the adapter unmerged, its dropout in training mode."""
 
     @functools.wraps(get_model)
     def load(model_cfg, *args, **kwargs):
         checkpoint = model_cfg.model_args.get("pretrained_model_name_or_path")
-        base = adapter_checkpoint_base(checkpoint)
+        base = lora.adapter_checkpoint_base(checkpoint)
         if base is None:
             return get_model(model_cfg, *args, **kwargs)
         from peft import PeftModel
@@ -168,35 +147,27 @@ def merging_adapter_checkpoints(get_model):
 def with_adapters(model, tokenizer, settings):
     """A model with LoRA adapters (`+peft=lora`), refused with the reason when they cannot fit it."""
     from palu_trainer.framework.checks import BadInput
-    from palu_trainer.framework.lora import adapter_problem, add_adapters
 
-    problem = adapter_problem(model, settings)
+    problem = lora.adapter_problem(model, settings)
     if problem:
         raise BadInput(problem)
-    return add_adapters(model, settings), tokenizer
+    return lora.add_adapters(model, settings), tokenizer
 
 
 def training_with_adapters(load_trainer):
-    """The framework's `load_trainer` for a LoRA run: every reference is the model with its adapters
-    disabled (no second copy), gradient checkpointing without reentrant passes, the optimizer without empty
-    parameter groups, and the final save writes the merged weights with the adapter beside them."""
-    from palu_trainer.framework.lora import (
-        keeping_frozen_weights_through_recompute,
-        reference_without_copy,
-        saving_merged,
-        without_empty_parameter_groups,
-    )
+    """The framework's `load_trainer` for a LoRA run: a reference without a second copy, the optimizer without
+    empty parameter groups, and a final save of the merged weights with the adapter beside them."""
     from palu_trainer.framework.trainers.guarded import use_non_reentrant_checkpointing
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
-        with reference_without_copy():
+        with lora.reference_without_copy():
             trainer, trainer_args = load_trainer(*args, **kwargs)
         # the stock methods too: reentrant checkpointing gives ZeRO-3 two gradients per parameter and step
         use_non_reentrant_checkpointing(trainer.args)
         if trainer.is_deepspeed_enabled and trainer.args.gradient_checkpointing:
-            keeping_frozen_weights_through_recompute()
-        return saving_merged(without_empty_parameter_groups(trainer)), trainer_args
+            lora.keeping_frozen_weights_through_recompute()
+        return lora.saving_merged(lora.without_empty_parameter_groups(trainer)), trainer_args
 
     return load
 
@@ -215,7 +186,6 @@ def stopping_on_bad_input(load):
     """`load`, whose BadInput or AnnotationError (a bad span file: file, row and fix named) stops the run with
     the message alone: under src/train.py nothing else would catch it."""
     from palu_trainer.framework.checks import BadInput
-    from palu_trainer.framework.run_guard import RunStopped
     from palu_trainer.spans.format import AnnotationError
 
     @functools.wraps(load)
@@ -230,8 +200,6 @@ def stopping_on_bad_input(load):
 
 def patch_framework_script(module, cfg) -> None:
     """Wrap the loaders of the running framework script (`module`: train.py or eval.py) for the run `cfg`."""
-    from palu_trainer.framework.lora import LoraSettings
-
     if getattr(module, PATCHED, False):
         return  # palu-train patches every run; a config's Hydra callback asks again
     setattr(module, PATCHED, True)
@@ -240,7 +208,7 @@ def patch_framework_script(module, cfg) -> None:
     )
     training = hasattr(module, "load_trainer")
     if training and cfg.get("peft") is not None:
-        get_model = with_adapters(get_model, LoraSettings.from_config(cfg.peft))
+        get_model = with_adapters(get_model, lora.LoraSettings.from_config(cfg.peft))
         module.load_trainer = training_with_adapters(module.load_trainer)
     module.get_model = stopping_on_bad_input(get_model)
     if training:

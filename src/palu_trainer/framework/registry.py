@@ -14,9 +14,8 @@ def framework_running() -> bool:
 
 
 def register_into_running_framework() -> None:
-    """Called by the Hydra search-path plugin (`hydra_plugins/palu_trainer_searchpath`), which Hydra runs in
-    every app as it composes: in open-unlearning's own scripts PALU registers itself, in any other Hydra app
-    nothing is imported."""
+    """Register PALU when Hydra runs the search-path plugin (`hydra_plugins/palu_trainer_searchpath`) in
+    open-unlearning's own scripts; in any other Hydra app nothing is imported."""
     if framework_running():
         register()
 
@@ -29,17 +28,13 @@ def register() -> None:
     import trainer
     from omegaconf import OmegaConf
 
-    from palu_trainer.framework.datasets import (
-        DataCollatorWithTokenRoles,
-        PretrainingWithSpansDataset,
-        QAwithSpansDataset,
-    )
+    from palu_trainer.framework import datasets
     from palu_trainer.framework.trainers.palu import PALUTrainer
     from palu_trainer.framework.trainers.tpo import TPOTrainer
 
-    data._register_data(QAwithSpansDataset)
-    data._register_data(PretrainingWithSpansDataset)
-    data._register_collator(DataCollatorWithTokenRoles)
+    data._register_data(datasets.QAwithSpansDataset)
+    data._register_data(datasets.PretrainingWithSpansDataset)
+    data._register_collator(datasets.DataCollatorWithTokenRoles)
     trainer._register_trainer(PALUTrainer)
     trainer._register_trainer(TPOTrainer)
     OmegaConf.register_new_resolver("palu_root", lambda: str(RESOURCES_DIR), replace=True)

@@ -1,28 +1,17 @@
-"""The framework-and-transformers stack this process runs on, detected, never pinned. The tested framework
-states (docs/setup.md) differ in what a trainer sees: `processing_class=` (transformers 4.46),
-`compute_loss(..., num_items_in_batch=)`, `logits_to_keep` (4.50) where it was `num_logits_to_keep`. Each
-difference is read off the installed code, so a newer release that keeps an interface keeps working, and a
-combination that cannot work is named with its fix before anything loads.
-"""
+"""The framework-and-transformers stack this process runs on, detected, never pinned: each difference between
+the tested stacks (docs/setup.md) is read off the installed code, so a newer release that keeps an interface
+keeps working, and a combination that cannot work is named with its fix before anything loads."""
 
 import inspect
 import re
 from pathlib import Path
 
 import transformers
+from packaging.version import Version
 
 # A framework commit that pins transformers 4.x imports names that 5.x removed (AutoModelForVision2Seq in
 # train.py and its stock trainers); its PR #191 pins 5.5.4 and imports on it.
 MAJOR_WITHOUT_4X_NAMES = 5
-PROCESSING_CLASS_SINCE = "4.46"
-
-
-def transformers_version() -> str:
-    return transformers.__version__
-
-
-def major(version: str) -> int:
-    return int(version.split(".")[0])
 
 
 def trainer_takes_processing_class() -> bool:
@@ -30,28 +19,11 @@ def trainer_takes_processing_class() -> bool:
     return "processing_class" in inspect.signature(transformers.Trainer.__init__).parameters
 
 
-def tokenizer_keyword(tokenizer) -> dict:
-    """The Trainer keyword that hands it the tokenizer on this transformers: processing_class or tokenizer."""
-    return {"processing_class" if trainer_takes_processing_class() else "tokenizer": tokenizer}
-
-
 def logits_to_keep_keyword(model) -> str | None:
-    """The keyword of `model.forward` that computes logits at the last positions only, or None.
-
-    transformers 4.50 renamed `num_logits_to_keep` to `logits_to_keep` (4.51's Llama still takes both through
-    `**kwargs`, 5.x only the new one); a model whose forward names neither computes every position's logits.
-    """
+    """The keyword of `model.forward` that computes logits at the last positions only, or None (the new name
+    first: 4.51's Llama takes both through `**kwargs`, 5.x only `logits_to_keep`)."""
     parameters = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in parameters:
-            return name
-    return None
-
-
-def framework_passes_processing_class(framework_src: Path) -> bool:
-    """Whether the framework's `load_trainer` (src/trainer/__init__.py) passes `processing_class`."""
-    source = (framework_src / "trainer" / "__init__.py").read_text()
-    return "processing_class=processing_class" in source
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
 
 
 def framework_transformers_pin(framework_src: Path) -> str | None:
@@ -65,7 +37,7 @@ def framework_transformers_pin(framework_src: Path) -> str | None:
 
 def stack_problem(framework_src: Path) -> str | None:
     """Why this transformers cannot run the framework checkout at `framework_src`, with the fix; else None."""
-    installed = transformers_version()
+    installed = transformers.__version__
     pin = framework_transformers_pin(framework_src)
     checkout = framework_src.parent
     fix = (
@@ -73,17 +45,18 @@ def stack_problem(framework_src: Path) -> str | None:
         if pin
         else "install the transformers version its requirements.txt names"
     )
-    if major(installed) >= MAJOR_WITHOUT_4X_NAMES and pin and major(pin) < MAJOR_WITHOUT_4X_NAMES:
+    if pin and Version(pin).major < MAJOR_WITHOUT_4X_NAMES <= Version(installed).major:
         return (
             f"transformers {installed} is installed, but open-unlearning at {checkout} (transformers "
             f"{pin}) does not import on transformers {MAJOR_WITHOUT_4X_NAMES}.x; {fix}, or move the "
             "framework to a commit that pins 5.x (its PR #191, c3301d8)"
         )
-    if framework_passes_processing_class(framework_src) and not trainer_takes_processing_class():
+    source = (framework_src / "trainer" / "__init__.py").read_text()  # the framework's load_trainer
+    if "processing_class=processing_class" in source and not trainer_takes_processing_class():
         return (
             f"open-unlearning at {checkout} passes processing_class= to the Trainer (its transformers "
             f"{pin or 'pin'}), which transformers {installed} does not have (added in "
-            f"{PROCESSING_CLASS_SINCE}); {fix}, or check out a framework commit from before its PR #175 "
+            f"4.46); {fix}, or check out a framework commit from before its PR #175 "
             "(d3d7cf9 runs on 4.45.1)"
         )
     return None
@@ -111,11 +84,8 @@ def training_loop_passes_num_items() -> bool:
 
 
 def compute_loss_problem(trainer_class, framework_src: Path) -> str | None:
-    """Why this transformers' training loop cannot call `trainer_class.compute_loss`, with the fix; else None.
-
-    The framework's stock trainers before its PR #175 take no `num_items_in_batch`, which every step of
-    transformers 4.46 and later passes: the framework at d3d7cf9 needs its own transformers 4.45.1.
-    """
+    """Why this transformers' training loop cannot call `trainer_class.compute_loss`, with the fix; else None
+    (the framework's stock trainers before its PR #175, at d3d7cf9, take no `num_items_in_batch`)."""
     if not training_loop_passes_num_items():
         return None
     parameters = inspect.signature(trainer_class.compute_loss).parameters.values()
@@ -124,7 +94,7 @@ def compute_loss_problem(trainer_class, framework_src: Path) -> str | None:
     pin = framework_transformers_pin(framework_src)
     return (
         f"{trainer_class.__name__}.compute_loss takes no num_items_in_batch, which transformers "
-        f"{transformers_version()} passes at every step (since 4.46), while open-unlearning at "
+        f"{transformers.__version__} passes at every step (since 4.46), while open-unlearning at "
         f"{framework_src.parent} pins transformers {pin or '(unpinned)'}: install that "
         f"(pip install 'transformers=={pin}'), or move the framework to upstream main (4ad738a, after its "
         "PR #175)"
