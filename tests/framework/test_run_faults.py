@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE
+from palu_trainer.training.run_guard import FAILED_RUN_FILE
 
 from ..conftest import unavailable
 from .test_bad_inputs import BIN, QUICK_RUN, run

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from palu_trainer.framework.run_guard import (
+from palu_trainer.framework.trainers.guarded import protect_run
+from palu_trainer.training.run_guard import (
     FAILED_RUN_FILE,
     RunGuard,
     RunStopped,
     failed_run_problem,
-    protect_run,
 )
 from palu_trainer.training.run_plan import (
     disk_estimate,

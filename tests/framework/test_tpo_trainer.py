@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.framework.trainers.tpo import TPOTrainer
 from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.training.run_guard import RunStopped
 
 
 def test_loss_is_preference_plus_preservation_plus_retain(make_trainer):

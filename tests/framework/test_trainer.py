@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
+from palu_trainer.training.run_guard import RunStopped
 
 ensure_importable()
 

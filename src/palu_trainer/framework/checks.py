@@ -18,7 +18,6 @@ from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import check_max_length
 from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
     no_training_warning,
@@ -26,6 +25,7 @@ from palu_trainer.framework.training_arguments import (
 )
 from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
+from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options
 
 

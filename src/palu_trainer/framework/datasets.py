@@ -8,7 +8,6 @@ import tokenizers
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.run_guard import RunStopped
 from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
 from palu_trainer.method.roles import TokenRole, assign_token_roles, count_roles
 from palu_trainer.spans.format import (
@@ -17,6 +16,7 @@ from palu_trainer.spans.format import (
     validate_annotations,
     word_cut_warning,
 )
+from palu_trainer.training.run_guard import RunStopped
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402

@@ -11,7 +11,7 @@ class FrameworkScript(Callback):
     def on_job_start(self, config, **kwargs) -> None:
         from palu_trainer.framework.checks import config_problems
         from palu_trainer.framework.patches import patch_framework_script
-        from palu_trainer.framework.run_guard import RunStopped
+        from palu_trainer.training.run_guard import RunStopped
         from palu_trainer.training.run_lock import take_output_folder
 
         # the framework script running: src/train.py or src/eval.py as __main__, or what palu-train imported

@@ -8,8 +8,8 @@ import torch
 from omegaconf import open_dict
 
 from palu_trainer.framework import lora
-from palu_trainer.framework.run_guard import RunStopped, protect_run
 from palu_trainer.training.resume import allow_numpy_rng_state
+from palu_trainer.training.run_guard import RunStopped
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,10 @@ def averaging_accumulated_losses(trainer, trainer_args):
 
 @loader_wrapper
 def guarding(trainer, trainer_args, argv: list[str]):
-    """A guarded trainer (`run_guard.protect_run`; PALU's and TPO's guard themselves): the stock trainers
+    """A guarded trainer (`protect_run`; PALU's and TPO's guard themselves): the stock trainers
     under palu-train too."""
+    from palu_trainer.framework.trainers.guarded import protect_run
+
     if trainer_args.do_train:
         protect_run(trainer, argv)
     return trainer, trainer_args

@@ -62,22 +62,6 @@ def stack_problem(framework_src: Path) -> str | None:
     return None
 
 
-def rotate_checkpoints(trainer, output_dir: str) -> None:
-    """Delete `output_dir`'s oldest checkpoints beyond `save_total_limit`, as the Trainer does after a save:
-    its method `_rotate_checkpoints` up to transformers 4.x, the function `trainer_utils.rotate_checkpoints`
-    that 5.x replaced it with."""
-    if hasattr(trainer, "_rotate_checkpoints"):
-        trainer._rotate_checkpoints(use_mtime=False, output_dir=output_dir)
-        return
-    from transformers.trainer_utils import rotate_checkpoints as rotate
-
-    rotate(
-        output_dir=output_dir,
-        save_total_limit=trainer.args.save_total_limit,
-        best_model_checkpoint=trainer.state.best_model_checkpoint,
-    )
-
-
 def training_loop_passes_num_items() -> bool:
     """Whether `Trainer.training_step` calls `compute_loss(..., num_items_in_batch=)` (4.46 and later)."""
     return "num_items_in_batch" in inspect.signature(transformers.Trainer.training_step).parameters

@@ -3,15 +3,34 @@ palu-train: a loss that is a mean per micro-batch, non-reentrant activation chec
 and resuming from `trainer.args.resume_from_checkpoint`."""
 
 import logging
+import sys
+from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.run_guard import RunStopped, protect_run
 from palu_trainer.training.resume import allow_numpy_rng_state, checkpoint_to_resume
+from palu_trainer.training.run_guard import RunGuard, RunStopped
 
 ensure_importable()
 from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
+
+def protect_run(trainer, argv: list[str] | None = None) -> RunGuard:
+    """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
+    scripts) with the running Hydra app's command (`python src/train.py`), config name and overrides."""
+    if getattr(trainer, "run_guard", None) is None:
+        command, arguments = ["palu-train"], argv
+        if argv is None:
+            from hydra.core.hydra_config import HydraConfig
+
+            script, arguments = sys.argv[0], sys.argv[1:]
+            command = ["python", script] if script.endswith(".py") else [Path(script).name]
+            if HydraConfig.initialized():
+                hydra = HydraConfig.get()
+                arguments = [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
+        trainer.run_guard = RunGuard(trainer, arguments, command)
+    return trainer.run_guard
 
 
 def use_non_reentrant_checkpointing(args) -> None:

@@ -1,8 +1,8 @@
 """The guard on a training run (docs/operations.md): divergence (a non-finite loss, gradient norm or weight)
 and failed saves stop the run and mark its folder failed (`FAILED_RUN_FILE`); SIGTERM or a first Ctrl-C
 writes a resumable checkpoint and exits with 128 + the signal; `training.run_plan` checks before the first
-step. PALU's and TPO's trainers attach it themselves (`protect_run`), so it holds under the framework's own
-`src/train.py`; palu-train attaches it to the stock trainers too.
+step. PALU's and TPO's trainers attach it themselves (`framework.trainers.guarded.protect_run`), so it
+holds under the framework's own `src/train.py`; palu-train attaches it to the stock trainers too.
 
 The checks hook into the trainer instance, so they hold for every trainer. Under several processes each
 step's verdict is agreed by one all-reduce, so all ranks stop together.
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from palu_trainer.framework.stack import rotate_checkpoints
 from palu_trainer.training.run_plan import (
     ALLOW_LOW_DISK,
     disk_space_problem,
@@ -88,21 +87,20 @@ def finite(value) -> bool:
     return math.isfinite(value)
 
 
-def protect_run(trainer, argv: list[str] | None = None) -> "RunGuard":
-    """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
-    scripts) with the running Hydra app's command (`python src/train.py`), config name and overrides."""
-    if getattr(trainer, "run_guard", None) is None:
-        command, arguments = ["palu-train"], argv
-        if argv is None:
-            from hydra.core.hydra_config import HydraConfig
+def rotate_checkpoints(trainer, output_dir: str) -> None:
+    """Delete `output_dir`'s oldest checkpoints beyond `save_total_limit`, as the Trainer does after a save:
+    its method `_rotate_checkpoints` up to transformers 4.x, the function `trainer_utils.rotate_checkpoints`
+    that 5.x replaced it with."""
+    if hasattr(trainer, "_rotate_checkpoints"):
+        trainer._rotate_checkpoints(use_mtime=False, output_dir=output_dir)
+        return
+    from transformers.trainer_utils import rotate_checkpoints as rotate
 
-            script, arguments = sys.argv[0], sys.argv[1:]
-            command = ["python", script] if script.endswith(".py") else [Path(script).name]
-            if HydraConfig.initialized():
-                hydra = HydraConfig.get()
-                arguments = [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
-        trainer.run_guard = RunGuard(trainer, arguments, command)
-    return trainer.run_guard
+    rotate(
+        output_dir=output_dir,
+        save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+    )
 
 
 class RunGuard:
