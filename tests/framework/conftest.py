@@ -4,8 +4,8 @@ for palu-train runs."""
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
+from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.stack import tokenizer_keyword
 
 from ..conftest import TAG_TEMPLATE
 from .test_datasets import QA_ROWS, QA_SPANS, span_dataset

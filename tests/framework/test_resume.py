@@ -8,11 +8,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.lora import LoraSettings, add_adapters
 from palu_trainer.framework.patches import resuming, training_with_adapters
 from palu_trainer.framework.run_guard import remove_stale_weights
-from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.training.resume import checkpoint_to_resume
 
 from ..conftest import TAG_TEMPLATE

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from palu_trainer.framework.run_guard import FAILED_RUN_FILE, PREEMPTED_EXIT_CODE
+from palu_trainer.framework.run_guard import FAILED_RUN_FILE
 
 from ..conftest import unavailable
 from .test_bad_inputs import BIN, QUICK_RUN, run
@@ -21,6 +21,7 @@ STOCK_RUN = [
     if not arg.startswith("span_annotations=")
 ]
 FINISHED_LOOKING = ("config.json", "model.safetensors")
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a run stopped by SIGTERM exits with
 
 
 def steps_logged(output: str) -> int:

@@ -38,7 +38,6 @@ FINAL_WEIGHTS = (
 )
 STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class RunStopped(SystemExit):

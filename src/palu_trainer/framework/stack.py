@@ -30,11 +30,6 @@ def trainer_takes_processing_class() -> bool:
     return "processing_class" in inspect.signature(transformers.Trainer.__init__).parameters
 
 
-def tokenizer_keyword(tokenizer) -> dict:
-    """The Trainer keyword that hands it the tokenizer on this transformers: processing_class or tokenizer."""
-    return {"processing_class" if trainer_takes_processing_class() else "tokenizer": tokenizer}
-
-
 def logits_to_keep_keyword(model) -> str | None:
     """The keyword of `model.forward` that computes logits at the last positions only, or None.
 
