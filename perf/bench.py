@@ -32,12 +32,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from palu_lab.method_lists import BENCH_BASELINES, bench_variants
 from palu_lab.smollm2 import VOCAB_SIZE, default_dir, read_marker
-from palu_trainer.experiments.methods import BENCH_BASELINES, METHODS
+from palu_lab.trainer_config import tokenizer_keyword, trainer_config
+from palu_trainer.experiments.methods import METHODS
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
-from palu_trainer.framework.stack import tokenizer_keyword
-from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.objective import PALUObjective
 from palu_trainer.method.reference import DenseReference, InitiatingTargets
 from palu_trainer.method.roles import TokenRole
@@ -60,7 +60,7 @@ def bench_runs(top_k) -> dict[str, tuple[str, dict, bool]]:
         method_args = config.get("method_args", {})
         if top_k is not None and "top_k" in method_args:
             method_args["top_k"] = top_k
-        for variant, extra in method.bench_variants.items():
+        for variant, extra in bench_variants(name).items():
             label = f"{name}, {variant}" if variant else name
             runs[label] = (config["handler"], {**method_args, **extra}, method.uses_spans)
     return runs

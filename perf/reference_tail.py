@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import PROJECT_ROOT, checkout_dir, ensure_importable
-from palu_trainer.framework.stack import tokenizer_keyword
 from palu_trainer.method.chunking import at_least_fp32
 from palu_trainer.method.kl import _KLFromReference, _KLFromTopM
 from palu_trainer.method.reference import common_fields, reference_targets

@@ -26,9 +26,9 @@ from palu_lab.miniature import (
     start_run,
     tofu_miniature,
 )
+from palu_lab.trainer_config import trainer_config
 from palu_trainer.experiments import report
 from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES, Axis
-from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.local_loss import resolve_top_k
 
 

@@ -4,7 +4,7 @@ palu_lab.converged --data tofu --tofu-dir ...`).
 The real-model experiment's data, model, Original and Retain (experiments/real_model.py, cached), at the
 paper's budget: 10 unlearning epochs, the first a warm-up (the CPU overlay's warmup_ratio 0.1).
 1. tuning on seed 0: every method on the same learning-rate grid x two values of its own knob
-   (`methods.CONVERGED_KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are
+   (`method_lists.CONVERGED_KNOB_VALUES`); each run saves a checkpoint per epoch, epochs `CURVE_EPOCHS` are
    evaluated with the curve metrics (FQ, MU, forget ROUGE; KS D follows from FQ) and the last with the
    full stock set;
 2. fronts: every (run, evaluated epoch) is a point (MU, FQ); each method's Pareto front, and the best FQ it
@@ -36,6 +36,13 @@ import numpy
 
 from palu_lab import real_model
 from palu_lab.ablation_chart import plot_axis
+from palu_lab.method_lists import (
+    CONVERGED_KNOB_VALUES,
+    PALU_FORMS,
+    REAL_MODEL_BASELINES,
+    REAL_MODEL_LORA_METHODS,
+    REAL_MODEL_METHODS,
+)
 from palu_lab.miniature import (
     SMOLLM2,
     TOFU_SIZES,
@@ -52,14 +59,7 @@ from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, agg
 from palu_lab.stage_archive import StageArchive, this_machine
 from palu_trainer.experiments import report
 from palu_trainer.experiments.ablation_axes import AXES
-from palu_trainer.experiments.methods import (
-    CONVERGED_KNOB_VALUES,
-    METHODS,
-    PALU_FORMS,
-    REAL_MODEL_BASELINES,
-    REAL_MODEL_LORA_METHODS,
-    REAL_MODEL_METHODS,
-)
+from palu_trainer.experiments.methods import METHODS
 from palu_trainer.framework.checkout import PROJECT_ROOT
 
 # The learning-rate grid, the same for every method. Pilot (issue 30's table, 8a3b9e1, seed 0, 10 epochs):

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from palu_lab.method_lists import CONVERGENCE_METHODS
 from palu_lab.miniature import (
     TOFU_SIZES,
     add_arguments,
@@ -21,7 +22,7 @@ from palu_lab.miniature import (
     tofu_miniature,
 )
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import CONVERGENCE_METHODS, METHODS
+from palu_trainer.experiments.methods import METHODS
 
 PER_EPOCH_CHECKPOINTS = ("trainer.args.save_strategy=epoch", "trainer.args.save_only_model=true")
 

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from palu_lab.benchmarks.dataset_folders import IDK_ANSWERS, TofuBenchmark
 from palu_lab.benchmarks.muse_subset import SYNTHETIC_ARTICLES
+from palu_lab.method_lists import demo_methods
 from palu_lab.miniature import (
     MUSE_SIZES,
     TOFU_SIZES,
@@ -31,11 +32,11 @@ from palu_lab.miniature import (
     tofu_miniature,
     unlearning_run_name,
 )
+from palu_lab.trainer_config import trainer_config
 from palu_trainer.experiments import report
 from palu_trainer.experiments.benchmark_facts import BENCHMARKS
-from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
+from palu_trainer.experiments.methods import METHODS, tuning_grid
 from palu_trainer.framework.checkout import PROJECT_ROOT
-from palu_trainer.framework.trainer_config import trainer_config
 from palu_trainer.method.local_loss import resolve_top_k
 
 
@@ -149,7 +150,7 @@ def finish(
 def run_tofu(args: argparse.Namespace, methods: tuple[str, ...] | None = None) -> dict[str, Path]:
     """The comparison on the TOFU miniature that `args` names (`miniature.parse_arguments`)."""
     size = TOFU_SIZES[args.size]
-    methods = methods or side_by_side_methods(fast=args.size == "fast")
+    methods = methods or demo_methods(fast=args.size == "fast")
     make_miniature = partial(tofu_miniature, args)
     mini, references, grids, progress = compare(args, "tofu", args.data, size, methods, make_miniature)
     notes = [
@@ -167,7 +168,7 @@ def run_muse(
 ) -> dict[str, Path]:
     """The comparison on the MUSE miniature, a subset of the MUSE-News folder `muse_dir`."""
     size = MUSE_SIZES[args.size]
-    methods = methods or side_by_side_methods(fast=args.size == "fast", bench="muse")
+    methods = methods or demo_methods(fast=args.size == "fast", bench="muse")
     make_miniature = partial(muse_miniature, args, muse_dir)
     mini, references, grids, progress = compare(args, "muse", "news", size, methods, make_miniature)
     benchmark = mini.stages.benchmark

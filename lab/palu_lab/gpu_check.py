@@ -38,15 +38,16 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from palu_lab import logged_runs
 from palu_lab.benchmarks.dataset_folders import read_jsonl, write_configs_readme, write_jsonl
+from palu_lab.method_lists import GPU_CHECK_BASELINES
 from palu_lab.tiny import save_tiny_model
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments.benchmark_facts import TOFU
-from palu_trainer.experiments.methods import GPU_CHECK_BASELINES
 from palu_trainer.experiments.recipe import flash_attention_problem
 from palu_trainer.framework import launch
-from palu_trainer.framework.checkout import PROJECT_ROOT, SPAN_ANNOTATIONS_DIR
-from palu_trainer.training.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE, read_run_stats
+from palu_trainer.framework.checkout import PROJECT_ROOT, RESOURCES_DIR
+from palu_trainer.training.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE
 
 VOCAB_SIZE = 32000  # Llama-2's |V|
 TRAINED_VOCAB = 8192  # merges learnt from TOFU's text; the rest of the 32000 are unused tokens
@@ -144,7 +145,7 @@ def requirement_problems(tofu_dir: Path, cpu: bool, gpus: int) -> list[str]:
         absent = [name for name in NEEDED_CONFIGS if name not in available]
         if absent:
             problems.append(f"TOFU: {tofu_dir} lacks the configs {', '.join(absent)}")
-    spans = SPAN_ANNOTATIONS_DIR / "tofu_forget01.jsonl"
+    spans = RESOURCES_DIR / "span_annotations" / "tofu_forget01.jsonl"
     if not spans.is_file():
         problems.append(f"{spans} not found: PALU and TPO read forget01's span annotations from it")
     tools = ["palu-train", "palu-eval"] + (["accelerate"] if gpus >= 2 and not cpu else [])
@@ -292,6 +293,13 @@ def offline_environment(tofu_mirror: Path, out: Path, omp_threads: str) -> dict:
         "HF_DATASETS_CACHE": str(out / "datasets-cache"),
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def read_run_stats(output_dir: Path) -> list[dict]:
+    """Every rank's stats of the run in `output_dir` (palu_trainer.training.run_stats), rank 0 first; empty if
+    it wrote none."""
+    files = sorted(Path(output_dir).glob("run_stats_rank*.json"), key=lambda p: int(p.stem.split("rank")[1]))
+    return [json.loads(path.read_text()) for path in files]
 
 
 def training_result(label: str, run_dir: Path, steps: int) -> dict:
@@ -447,7 +455,7 @@ def main(argv=None) -> None:
     for label, command in train.items():
         print(f"== {label} …", flush=True)
         log = out / "logs" / f"{slug(label)}.log"
-        code, seconds = launch.run_logged(command, log, lora_env if label in LORA_RUNS else env)
+        code, seconds = logged_runs.run_logged(command, log, lora_env if label in LORA_RUNS else env)
         result = (
             {"error": f"exit status {code}"}
             if code
@@ -456,7 +464,7 @@ def main(argv=None) -> None:
         result["wall_s"] = seconds
         results[label] = result
         if result.get("error"):
-            print(f"   FAILED ({result['error']}); {log}:\n{launch.log_tail(log)}", flush=True)
+            print(f"   FAILED ({result['error']}); {log}:\n{logged_runs.log_tail(log)}", flush=True)
 
     print(f"== palu-eval on {EVALUATED} …", flush=True)
     eval_env = env if args.cpu else {**env, **one_gpu(env)}
@@ -464,7 +472,7 @@ def main(argv=None) -> None:
     if results[EVALUATED].get("error"):
         eval_result = {"error": f"{EVALUATED} failed: nothing to evaluate"}
     else:
-        code, seconds = launch.run_logged(evaluation, log, eval_env)
+        code, seconds = logged_runs.run_logged(evaluation, log, eval_env)
         eval_file = out / "eval" / "TOFU_EVAL.json"
         if code:
             eval_result = {"error": f"exit status {code}"}
@@ -478,7 +486,7 @@ def main(argv=None) -> None:
             if absent:
                 eval_result["error"] = f"no value for {', '.join(absent)}"
         if eval_result.get("error"):
-            print(f"   FAILED ({eval_result['error']}); {log}:\n{launch.log_tail(log)}", flush=True)
+            print(f"   FAILED ({eval_result['error']}); {log}:\n{logged_runs.log_tail(log)}", flush=True)
 
     print(f"\ngpu-check: {device}, {attention}, {parameters / 1e6:.1f}M parameters, |V|={VOCAB_SIZE}")
     print(format_table(results, args.cpu))

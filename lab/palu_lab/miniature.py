@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from palu_lab import smollm2
+from palu_lab import logged_runs, smollm2
 from palu_lab.benchmarks.dataset_folders import TofuBenchmark, read_jsonl
 from palu_lab.benchmarks.muse_subset import make_muse_subset
 from palu_lab.benchmarks.synthetic_tofu import synthetic_benchmark
@@ -293,11 +293,13 @@ def benchmark_texts(data_dir: Path) -> list[str]:
 
 def run_framework(entry: str, overrides: list[str], log_path: Path, env: dict) -> float:
     """Run `palu-train` or `palu-eval` (`entry` = train | eval) in a subprocess; return seconds."""
-    code, seconds = launch.run_logged(
+    code, seconds = logged_runs.run_logged(
         [*launch.command(f"palu-{entry}"), *overrides], log_path, env, log_path.parent
     )
     if code != 0:
-        raise RuntimeError(f"{entry} failed (exit {code}); log {log_path}:\n{launch.log_tail(log_path, 40)}")
+        raise RuntimeError(
+            f"{entry} failed (exit {code}); log {log_path}:\n{logged_runs.log_tail(log_path, 40)}"
+        )
     return seconds
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy
 from scipy.stats import ks_2samp
 
+from palu_lab.method_lists import REAL_MODEL_BASELINES, REAL_MODEL_METHODS
 from palu_lab.miniature import (
     TOFU_SIZES,
     Miniature,
@@ -34,7 +35,7 @@ from palu_lab.miniature import (
     unlearning_run_name,
 )
 from palu_trainer.experiments import report
-from palu_trainer.experiments.methods import REAL_MODEL_BASELINES, REAL_MODEL_METHODS, tuning_grid
+from palu_trainer.experiments.methods import tuning_grid
 
 GPT4O = "gpt4o"  # the label of GPT-4o's span annotations in the subset (`span_annotations/gpt4o.jsonl`)
 PALU_GPT4O = "PALU (GPT-4o spans)"

@@ -4,8 +4,8 @@ for palu-train runs."""
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
+from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.stack import trainer_takes_processing_class
 
 from ..conftest import TAG_TEMPLATE
 from .test_datasets import QA_ROWS, QA_SPANS, span_dataset
@@ -15,11 +15,6 @@ from data.unlearn import ForgetRetainDataset  # noqa: E402
 
 from palu_trainer.framework.datasets import DataCollatorWithTokenRoles  # noqa: E402
 from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
-
-
-def tokenizer_keyword(tokenizer) -> dict:
-    """The Trainer keyword that hands it the tokenizer on this transformers: processing_class or tokenizer."""
-    return {"processing_class" if trainer_takes_processing_class() else "tokenizer": tokenizer}
 
 
 @pytest.fixture

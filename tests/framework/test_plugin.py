@@ -9,11 +9,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from palu_lab.trainer_config import trainer_config
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.local_mirrors import dataset_loads, redirect_to_local_mirrors
 from palu_trainer.framework.registry import register
-from palu_trainer.framework.trainer_config import trainer_config
 
 from ..conftest import make_tofu_mirror, write_jsonl
 

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.lora import LoraSettings, add_adapters
 from palu_trainer.framework.patches import resuming, training_with_adapters
@@ -15,7 +16,6 @@ from palu_trainer.training.resume import checkpoint_to_resume
 from palu_trainer.training.run_guard import remove_stale_weights
 
 from ..conftest import TAG_TEMPLATE
-from .conftest import tokenizer_keyword
 from .test_datasets import span_dataset
 
 ensure_importable()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from palu_lab import gpu_check
-from palu_trainer.training.run_stats import RunStatsCallback, read_run_stats
+from palu_trainer.training.run_stats import RunStatsCallback
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_RUNS = ("PALU cache on", *gpu_check.LORA_RUNS)
@@ -44,8 +44,8 @@ def test_missing_tofu_configs_are_named(tmp_path):
 def test_a_failed_run_makes_the_check_fail(tofu_dir, tmp_path, monkeypatch, capsys):
     """Every launch exits 1: each run and the evaluation are reported, and the check exits 1."""
     monkeypatch.setattr(gpu_check, "make_model", lambda *args: 0)
-    monkeypatch.setattr(gpu_check.launch, "run_logged", lambda command, log, env: (1, 0.5))
-    monkeypatch.setattr(gpu_check.launch, "log_tail", lambda path: "(log)")
+    monkeypatch.setattr(gpu_check.logged_runs, "run_logged", lambda command, log, env: (1, 0.5))
+    monkeypatch.setattr(gpu_check.logged_runs, "log_tail", lambda path: "(log)")
     with pytest.raises(SystemExit) as stop:
         gpu_check.main(["--cpu", "--tofu-dir", str(tofu_dir), "--out", str(tmp_path)])
     assert stop.value.code == 1
@@ -79,7 +79,7 @@ def test_the_run_stats_callback_writes_step_times_and_peak_memory(tmp_path):
     for _ in range(3):
         callback.on_step_end(None, None, None)
     callback.on_train_end(None, None, None)
-    (stats,) = read_run_stats(tmp_path / "out")
+    (stats,) = gpu_check.read_run_stats(tmp_path / "out")
     assert stats["steps"] == 3 and stats["rank"] == 0
     assert stats["step_end_seconds"] == sorted(stats["step_end_seconds"])
     assert stats["peak_rss_bytes"] > 10 * 2**20

@@ -10,6 +10,7 @@ import pytest
 from palu_lab import demo, miniature, real_model
 from palu_lab.benchmarks.dataset_folders import TofuBenchmark, read_jsonl
 from palu_lab.benchmarks.tofu_subset import make_tofu_subset
+from palu_lab.method_lists import REAL_MODEL_METHODS
 from palu_lab.miniature import TOFU_SIZES
 from palu_lab.real_model import (
     PALU_GPT4O,
@@ -25,7 +26,6 @@ from palu_lab.real_model import (
     seed_runs,
     tuning_runs,
 )
-from palu_trainer.experiments.methods import REAL_MODEL_METHODS
 from palu_trainer.experiments.report import EvaluatedModel
 from palu_trainer.framework.checkout import PROJECT_ROOT
 from palu_trainer.spans.format import read_annotations, validate_annotations

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from palu_lab.gpu_check import offline_environment, training_result
+from palu_lab.logged_runs import log_tail, run_logged
 from palu_lab.smollm2 import (
     CHECK_WORD,
     EOS,
@@ -34,7 +35,6 @@ from palu_lab.smollm2 import (
 )
 from palu_trainer.experiments.benchmark_facts import TOFU
 from palu_trainer.framework.checkout import PROJECT_ROOT
-from palu_trainer.framework.launch import log_tail, run_logged
 
 from ..conftest import make_tofu_mirror, read_jsonl, unavailable
 

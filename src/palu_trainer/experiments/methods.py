@@ -1,7 +1,8 @@
 """The one table of unlearning methods that the demo, the GPU recipe and the bench run side by side: adding a
-method to them is one entry here (plus, for a new trainer, its module and config)."""
+method to them is one entry here (plus, for a new trainer, its module and config). Which of them the lab's
+experiments and measurements run: lab/palu_lab/method_lists.py."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy
 
@@ -27,10 +28,7 @@ class Method:
     uses_idk_answers: bool = False
     trainer_overrides: tuple[str, ...] = ()  # a required `method_args` value, a recipe's settings
     kl_weight_key: str | None = None  # the override that sets its λ (`make tofu LAMBDA=`, `make tofu-sweep`)
-    # label -> extra `method_args`, one bench row each ("" is the stock config)
-    bench_variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     side_by_side: bool = True  # run by `make demo` and `make compare` unless `--methods` names others
-    in_fast_demo: bool = False  # run by `make demo FAST=1` (and so by `make test`)
     muse_experiment: str | None = "unlearn/muse/default"  # None: not offered on MUSE here
     # its own hyperparameter in the equal-budget grid (learning rates x knob values); None: it has none
     # besides the learning rate, and gets as many runs on a finer learning-rate grid instead
@@ -38,20 +36,6 @@ class Method:
 
 
 KNOB_VALUES = 3  # values per knob: the same for every method, so every method gets the same number of runs
-
-# `make converged` (issue 30) crosses two values of each method's knob: its config's value, then the
-# next value of its grid (METHODS) on the side that keeps more utility, since the pilot's failure mode
-# was lost utility (a larger retain weight α for GradDiff, a larger β for NPO, SimNPO and TPO, a larger
-# λ for PALU).
-CONVERGED_KNOB_VALUES = {
-    "GradDiff": (1.0, 2.0),
-    "NPO": (0.1, 0.5),
-    "SimNPO": (4.5, 6.5),
-    "TPO": (0.32, 1.0),
-    "PALU": (1.0, 2.0),
-    # The release ties lambda to alpha (kl_weight: alpha): its knob is alpha, at PALU's lambda values.
-    "PALU_release": (1.0, 2.0),
-}
 
 
 def method_arg(name: str, *values: float) -> Knob:
@@ -64,16 +48,15 @@ METHODS: dict[str, Method] = {
     # retain NLL bound 0.3, TPO beta 0.32, PALU lambda 1: the paper's lambda grid is {1, 2, 5, 10}).
     "GradAscent": Method("GradAscent"),
     "GradDiff": Method("GradDiff", knob=method_arg("alpha", 0.5, 1.0, 2.0)),
-    # DPO with "I don't know" as the preferred answer; not in the bench (its forget rows are answer pairs).
+    # DPO with "I don't know" as the preferred answer.
     "DPO": Method(
         "DPO",
         tofu_experiment="unlearn/tofu/idk_local",
         uses_idk_answers=True,
-        bench_variants={},
         muse_experiment=None,  # no local "I don't know" set for raw text
         knob=method_arg("beta", 0.05, 0.1, 0.5),
     ),
-    "NPO": Method("NPO", in_fast_demo=True, knob=method_arg("beta", 0.05, 0.1, 0.5)),
+    "NPO": Method("NPO", knob=method_arg("beta", 0.05, 0.1, 0.5)),
     "SimNPO": Method("SimNPO", knob=method_arg("beta", 2.5, 4.5, 6.5)),
     # The framework's community/methods/PDU/run.sh "final best parameters" for TOFU (retain_loss_eps has no
     # default): primal-dual on, retain preference 100, retain NLL bound 0.3, dual step 5, 5 warm-up epochs.
@@ -92,7 +75,6 @@ METHODS: dict[str, Method] = {
         "TPO",
         tofu_experiment="unlearn/tofu/tpo",
         uses_spans=True,
-        in_fast_demo=True,
         muse_experiment=None,
         knob=method_arg("beta", 0.1, 0.32, 1.0),
     ),
@@ -101,11 +83,6 @@ METHODS: dict[str, Method] = {
         tofu_experiment="unlearn/tofu/palu",
         uses_spans=True,
         kl_weight_key="trainer.method_args.kl_weight",
-        bench_variants={
-            "reference model": {"reference_cache": False},
-            "reference cache": {"reference_cache": True},
-        },
-        in_fast_demo=True,
         muse_experiment="unlearn/muse/palu",
         knob=Knob("lambda", "trainer.method_args.kl_weight", (1.0, 2.0, 5.0)),
     ),
@@ -114,7 +91,6 @@ METHODS: dict[str, Method] = {
         "PALU_release",
         tofu_experiment="unlearn/tofu/palu",
         uses_spans=True,
-        bench_variants={},  # the same cost as PALU's cached row
         side_by_side=False,
         muse_experiment="unlearn/muse/palu",
         knob=method_arg("alpha", 1.0, 2.0, 5.0),
@@ -122,26 +98,12 @@ METHODS: dict[str, Method] = {
 }
 
 
-# The methods each measurement puts beside PALU, besides the side-by-side: the bench's ratio denominators, the
-# paper's Figure 5 (convergence), and the baselines `make gpu-check` runs on a GPU.
-BENCH_BASELINES = ("GradDiff", "NPO")
-CONVERGENCE_METHODS = ("PALU", "NPO")
-GPU_CHECK_BASELINES = ("TPO", "NPO")
-# The real-model experiment (issue 21): the methods it runs by default, and those its reading compares
-# PALU with.
-REAL_MODEL_METHODS = ("GradDiff", "NPO", "SimNPO", "TPO", "PALU")
-REAL_MODEL_LORA_METHODS = ("PALU", "NPO")  # `make converged LORA=1`: its LoRA rows (issue 32)
-REAL_MODEL_BASELINES = ("NPO", "SimNPO", "TPO")
-PALU_FORMS = ("PALU", "PALU_release")  # the table's entries that run PALUTrainer (they log its terms)
-
-
-def side_by_side_methods(fast: bool = False, bench: str = "tofu") -> tuple[str, ...]:
-    """The methods a comparison runs by default; `fast`: the demo's FAST subset; `bench`: tofu or muse."""
+def side_by_side_methods(bench: str = "tofu") -> tuple[str, ...]:
+    """The methods a comparison runs by default; `bench`: tofu or muse."""
     return tuple(
         name
         for name, method in METHODS.items()
-        if (method.in_fast_demo if fast else method.side_by_side)
-        and (bench == "tofu" or method.muse_experiment is not None)
+        if method.side_by_side and (bench == "tofu" or method.muse_experiment is not None)
     )
 
 

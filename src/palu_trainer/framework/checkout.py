@@ -15,7 +15,6 @@ TESTED_COMMITS = {
 # top-level folders (setup.cfg's package_data). Not resolved, so that both read through the package.
 RESOURCES_DIR = Path(__file__).parents[1] / "resources"
 CONFIG_DIR = RESOURCES_DIR / "configs"
-SPAN_ANNOTATIONS_DIR = RESOURCES_DIR / "span_annotations"
 # The clone's root, for the lab (results/, ../shared): meaningless in an installed wheel.
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 # Where `make setup` records the checkout it used, per Python environment.

@@ -1,13 +1,12 @@
-"""Launching the framework's runs, the one way the recipes and the lab do it: `palu-train` or `palu-eval` in
-a subprocess, alone or under accelerate + ZeRO-3, logged to a file; DeepSpeed's CPU shared-memory op, built
-before a launch needs it (`python -m palu_trainer.framework.launch`, which `make setup` runs)."""
+"""Launching the framework's runs, the one way the recipes and the lab do it: `palu-train` or `palu-eval` as
+a command line, alone or under accelerate with the framework's ZeRO-3 configs (written where a launch from
+any folder finds them; the lab runs them logged to a file, palu_lab.logged_runs); DeepSpeed's CPU
+shared-memory op, built before a launch needs it (`python -m palu_trainer.framework.launch`, which `make
+setup` runs)."""
 
 import json
-import shlex
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -47,21 +46,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def run_logged(argv: list[str], log_path: Path, env: dict, cwd: Path | None = None) -> tuple[int, float]:
-    """Run `argv` with its output in `log_path` (the command line first); (exit status, seconds)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        log.write(shlex.join(argv) + "\n\n")
-        log.flush()
-        result = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
-    return result.returncode, time.monotonic() - started
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    return "".join(path.read_text(errors="replace").splitlines(True)[-lines:])
 
 
 def shared_memory_op_dir(build: bool = False) -> Path | None:

@@ -84,9 +84,3 @@ def cap_memory(gib: str | None) -> None:
         return
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
-
-
-def read_run_stats(output_dir: Path) -> list[dict]:
-    """Every rank's stats of the run in `output_dir`, rank 0 first; empty if it wrote none."""
-    files = sorted(Path(output_dir).glob("run_stats_rank*.json"), key=lambda p: int(p.stem.split("rank")[1]))
-    return [json.loads(path.read_text()) for path in files]
