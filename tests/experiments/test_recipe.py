@@ -316,7 +316,7 @@ def test_flash_attention_needs_cuda():
 def no_cache(monkeypatch):
     """Nothing in the Hugging Face cache, datasets found; the hub's answer for models is set per test."""
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
-    monkeypatch.setattr(recipe, "_on_hub_or_cached", lambda repo_id, repo_type: True)
+    monkeypatch.setattr(recipe, "_dataset_on_hub_or_cached", lambda repo_id: True)
 
 
 def gated(message: str) -> GatedRepoError:

@@ -33,14 +33,6 @@ FLASH_ATTN_INSTALL = (
 HF_LOGIN = "huggingface-cli login"
 
 
-def framework_log(relative: str) -> str:
-    """An evaluation log under `saves/eval/`: here, else in the framework checkout (where its `setup_data.py
-    --eval_logs` downloads them); `relative` if in neither (the check then names it)."""
-    if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
-        return str(checkout_dir() / relative)
-    return relative
-
-
 def model_config(name: str) -> dict:
     """The model config `model=<name>` composes: the framework's configs/model/<name>.yaml, or this
     plugin's; empty if neither has it."""
@@ -115,9 +107,8 @@ class RecipeSettings:
         return self.facts.splits[self.forget]
 
     def task_name(self, method: str) -> str:
-        kl_weight = f"_lambda{self.kl_weight}" if METHODS[method].kl_weight_key else ""
-        variant = "".join(f"_{name}{value}" for name, value in self.variant) + ("_lora" if self.lora else "")
-        name = f"{self.task_prefix}_{method}_lr{self.learning_rate}{kl_weight}{variant}"
+        params = "".join(f"_{name}{value}" for name, value in self.params(method).items())
+        name = f"{self.task_prefix}_{method}{params}" + ("_lora" if self.lora else "")
         return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
 
     def params(self, method: str) -> dict:
@@ -134,27 +125,24 @@ class RecipeSettings:
         return self.model_dir or f"open-unlearning/tofu_{self.model}_full"
 
     @property
-    def tokenizer_path(self) -> str | None:
-        """The tokenizer the runs load: MODEL_DIR's, else the model config's (a gated meta-llama/* id for the
-        framework's Llama configs)."""
-        return self.model_dir or model_config(self.model).get("tokenizer_args", {}).get(
-            "pretrained_model_name_or_path"
-        )
-
-    @property
     def retain_logs_path(self) -> str:
         """Where the framework's `scripts/tofu_finetune.sh` evaluates the retain model (task_name
         tofu_<model>_<retain split>, eval's default output folder), as `setup_data.py --eval_logs` has it."""
-        return self.retain_logs or framework_log(
-            f"saves/eval/tofu_{self.model}_{self.splits[1]}/{self.facts.eval_file}"
-        )
+        return self.retain_logs or self.framework_log(f"tofu_{self.model}_{self.splits[1]}")
 
     @property
     def original_logs_path(self) -> str:
         """Where `scripts/tofu_finetune.sh` evaluates the full (Original) model on this forget split:
         `paths.output_dir=saves/eval/tofu_<model>_full/evals_<forget split>`."""
-        default = f"saves/eval/tofu_{self.model}_full/evals_{self.splits[0]}/{self.facts.eval_file}"
-        return self.original_logs or framework_log(default)
+        return self.original_logs or self.framework_log(f"tofu_{self.model}_full/evals_{self.splits[0]}")
+
+    def framework_log(self, folder: str) -> str:
+        """The evaluation log `saves/eval/<folder>/<eval file>`: here, else in the framework checkout (where
+        its `setup_data.py --eval_logs` downloads them); the relative path if in neither (checks name it)."""
+        relative = f"saves/eval/{folder}/{self.facts.eval_file}"
+        if not Path(relative).is_file() and (checkout_dir() / relative).is_file():
+            return str(checkout_dir() / relative)
+        return relative
 
     @property
     def idk_answers_path(self) -> str:
@@ -183,7 +171,7 @@ class RecipeSettings:
         if variable and environ.get(variable):
             absent = self.absent_from_mirror(read_configs(Path(environ[variable])))
             return [f"{variable}={environ[variable]} lacks {absent}"] if absent else []
-        if not _on_hub_or_cached(hub_id, "dataset"):
+        if not _dataset_on_hub_or_cached(hub_id):
             mirror = f"; set {variable}" if variable else ""
             return [f"dataset {hub_id}: not cached and the hub is unreachable{mirror}"]
         return []
@@ -211,15 +199,12 @@ class MuseRecipeSettings(RecipeSettings):
     @property
     def retain_logs_path(self) -> str:
         """As `scripts/muse_unlearn.sh` passes it (`setup_data.py --eval_logs` has it there)."""
-        return self.retain_logs or framework_log(
-            f"saves/eval/muse_{self.model}_{self.forget}_retrain/{self.facts.eval_file}"
-        )
+        return self.retain_logs or self.framework_log(f"muse_{self.model}_{self.forget}_retrain")
 
     @property
     def original_logs_path(self) -> str:
         """The target's logs in the same download (no framework script writes them)."""
-        default = f"saves/eval/muse_{self.model}_{self.forget}_target/{self.facts.eval_file}"
-        return self.original_logs or framework_log(default)
+        return self.original_logs or self.framework_log(f"muse_{self.model}_{self.forget}_target")
 
     def describe(self) -> str:
         return f"{self.facts.name}-{self.forget}"
@@ -289,6 +274,8 @@ def missing_requirements(
     """What this machine lacks for the real recipe, each with what to do; empty when ready."""
     import torch
 
+    eval_logs = f"run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
+    eval_logs += "there or here)"
     problems = []
     if needs_idk_answers and not Path(settings.idk_answers_path).is_file():
         problems.append(
@@ -299,9 +286,8 @@ def missing_requirements(
     if needs_original_logs and not Path(settings.original_logs_path).is_file():
         problems.append(
             f"Original model logs {settings.original_logs_path} not found (the comparison table's Original "
-            f"row): run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
-            "there or here), or evaluate the target as the framework's scripts/tofu_finetune.sh does, or set "
-            "ORIGINAL_LOGS"
+            f"row): {eval_logs}, or evaluate the target as the framework's scripts/tofu_finetune.sh does, or "
+            "set ORIGINAL_LOGS"
         )
     if torch.cuda.device_count() < settings.gpus:
         problems.append(
@@ -318,21 +304,21 @@ def missing_requirements(
                 f"MODEL_DIR={settings.model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the "
                 "recipe loads the tokenizer from it too; save it there with tokenizer.save_pretrained"
             )
-    elif not model_config(settings.model):
+    elif not (config := model_config(settings.model)):
         problems.append(
             f"no model config {settings.model}.yaml in {checkout_dir() / 'configs' / 'model'} or "
             f"{CONFIG_DIR / 'model'}: MODEL= names one of the framework's model configs"
         )
-    else:
+    else:  # the config's tokenizer: a gated meta-llama/* id for the framework's Llama configs
+        tokenizer_id = config.get("tokenizer_args", {}).get("pretrained_model_name_or_path")
         model = hub_problem(settings.model_path, "model", "config.json", environ)
-        tokenizer = hub_problem(settings.tokenizer_path, "tokenizer", "tokenizer_config.json", environ)
+        tokenizer = hub_problem(tokenizer_id, "tokenizer", "tokenizer_config.json", environ)
         problems += [problem for problem in (model, tokenizer) if problem]
     problems.extend(settings.dataset_problems(environ))
     if not Path(settings.retain_logs_path).is_file():
         problems.append(
             f"retain model logs {settings.retain_logs_path} not found (forget quality / privleak need them): "
-            f"run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from there "
-            "or here), or set RETAIN_LOGS"
+            f"{eval_logs}, or set RETAIN_LOGS"
         )
     return problems
 
@@ -370,16 +356,15 @@ def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.enviro
     return None
 
 
-def _on_hub_or_cached(repo_id: str, repo_type: str) -> bool:
+def _dataset_on_hub_or_cached(repo_id: str) -> bool:
     from huggingface_hub import HfApi, try_to_load_from_cache
 
-    filename = "config.json" if repo_type == "model" else "README.md"
-    if isinstance(try_to_load_from_cache(repo_id, filename, repo_type=repo_type), str):
+    if isinstance(try_to_load_from_cache(repo_id, "README.md", repo_type="dataset"), str):
         return True
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
-        HfApi().repo_info(repo_id, repo_type=repo_type, timeout=5)
+        HfApi().repo_info(repo_id, repo_type="dataset", timeout=5)
         return True
     except Exception:  # offline, DNS failure, gated: all mean "cannot fetch it now"
         return False
@@ -401,14 +386,6 @@ def method_runs(settings: RecipeSettings, methods: list[str], tune: bool) -> lis
                 tuned = replace(settings, variant=variant, extra=extra)
             runs.append((method, replace(tuned, learning_rate=f"{rate:g}")))
     return runs
-
-
-def ablation_runs(settings: RecipeSettings, axis: str) -> list[tuple[str, RecipeSettings]]:
-    """PALU at every point of one of the paper's ablation axes (experiments.ablation_axes.AXES)."""
-    return [
-        (ABLATED_METHOD, replace(settings, variant=((axis, label),), extra=overrides))
-        for label, overrides in AXES[axis].points.items()
-    ]
 
 
 def plan(runs: list[tuple[str, RecipeSettings]], accelerate_config: Path) -> list[tuple[str, list[str]]]:
@@ -526,7 +503,10 @@ def main(argv=None) -> None:
     accelerate_dir = Path("saves/accelerate")
     accelerate_config = accelerate_dir / "accelerate.yaml"
     if args.ablation:
-        runs = ablation_runs(settings, args.ablation)
+        runs = [
+            (ABLATED_METHOD, replace(settings, variant=((args.ablation, label),), extra=overrides))
+            for label, overrides in AXES[args.ablation].points.items()
+        ]
         what = f"PALU ablation, {AXES[args.ablation].title}"
     else:
         runs = method_runs(settings, args.methods, args.tune)
