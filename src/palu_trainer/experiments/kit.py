@@ -55,29 +55,18 @@ def write_kit(checkout: Path, readme: Path = PROJECT_ROOT / "README.md") -> list
     for contribution in contributions():
         folder = checkout / "community" / "methods" / contribution.name
         folder.mkdir(parents=True, exist_ok=True)
-        links = "\n".join(f"- {link}" for link in contribution.links)
-        bibtex = (KIT_DIR / f"{contribution.name}.bib").read_text().strip()
-        template = (KIT_DIR / "README.md").read_text()
-        (folder / "README.md").write_text(
-            template.format(contribution=contribution, links=links, results=results, bibtex=bibtex)
-        )
-        script = folder / "run.sh"
-        script.write_text(
-            (KIT_DIR / "run.sh")
-            .read_text()
-            .format(
-                name=contribution.name,
-                handler=contribution.name,
-                experiment=contribution.experiment,
-                knob=contribution.knob,
-                knob_grid=" ".join(contribution.knob_grid),
-                learning_rates=" ".join(contribution.learning_rates),
-                best_lr=contribution.best[0],
-                best_knob=contribution.best[1],
-            )
-        )
-        script.chmod(0o755)
-        written += [folder / "README.md", script]
+        fields = {  # what the templates README.md and run.sh name
+            "contribution": contribution,
+            "links": "\n".join(f"- {link}" for link in contribution.links),
+            "results": results,
+            "bibtex": (KIT_DIR / f"{contribution.name}.bib").read_text().strip(),
+            "knob_grid": " ".join(contribution.knob_grid),
+            "learning_rates": " ".join(contribution.learning_rates),
+        }
+        for name in ("README.md", "run.sh"):
+            (folder / name).write_text((KIT_DIR / name).read_text().format(**fields))
+            written.append(folder / name)
+        (folder / "run.sh").chmod(0o755)
     return written
 
 

@@ -23,25 +23,22 @@ COLUMNS = (
     ("retain_prob", "retain prob", "{:.3f}"),
     ("retain_truth_ratio", "retain TR", "{:.3f}"),
 )
-# TOFU_EVAL.json keys for each reported metric (all are `agg_value`s).
+# The stock TOFU metrics that the paper's tables add to the framework's default evaluation (which leaves them
+# commented out in configs/eval/tofu.yaml); fluency's classifier comes from the hub.
+PAPER_METRICS = ("exact_memorization", "mia_loss", "mia_zlib", "mia_min_k", "mia_min_k_plus_plus")
+FLUENCY_METRIC = "forget_Q_A_gibberish"
+FLUENCY_CLASSIFIER = "madhurjindal/autonlp-Gibberish-Detector-492513457"
+# TOFU_EVAL.json keys for each reported metric (all are `agg_value`s): the metric's own name unless renamed.
 EVAL_KEYS = {
-    "forget_quality": "forget_quality",
-    "model_utility": "model_utility",
+    **{name: name for name in ("forget_quality", "model_utility", "extraction_strength", "privleak")},
+    **{name: name for name in ("forget_truth_ratio", *PAPER_METRICS)},
     "forget_rouge": "forget_Q_A_ROUGE",
-    "extraction_strength": "extraction_strength",
-    "privleak": "privleak",
     "retain_rouge": "retain_Q_A_ROUGE",
     "retain_prob": "retain_Q_A_Prob",
     "retain_truth_ratio": "retain_Truth_Ratio",
-    "exact_memorization": "exact_memorization",
-    "forget_truth_ratio": "forget_truth_ratio",
     "ra_truth_ratio": "ra_Truth_Ratio",
     "wf_truth_ratio": "wf_Truth_Ratio",
-    "fluency": "forget_Q_A_gibberish",
-    "mia_loss": "mia_loss",
-    "mia_zlib": "mia_zlib",
-    "mia_min_k": "mia_min_k",
-    "mia_min_k_plus_plus": "mia_min_k_plus_plus",
+    "fluency": FLUENCY_METRIC,
 }
 # The paper's Table 1 (utility, memorization, truth ratios) and Table 2 (MIA AUCs, forget vs holdout).
 PAPER_TABLE_1 = (
@@ -60,11 +57,6 @@ PAPER_TABLE_2 = (
     ("mia_min_k", "Min-K", "{:.3f}"),
     ("mia_min_k_plus_plus", "Min-K++", "{:.3f}"),
 )
-# The stock TOFU metrics that the paper's tables add to the framework's default evaluation (which leaves them
-# commented out in configs/eval/tofu.yaml); fluency's classifier comes from the hub.
-PAPER_METRICS = ("exact_memorization", "mia_loss", "mia_zlib", "mia_min_k", "mia_min_k_plus_plus")
-FLUENCY_METRIC = "forget_Q_A_gibberish"
-FLUENCY_CLASSIFIER = "madhurjindal/autonlp-Gibberish-Detector-492513457"
 UTILITY_FLOOR = 0.8
 FQ_FLOOR = 1e-30
 
@@ -190,11 +182,8 @@ MUSE = Scorecard(
         ("extraction_strength", "ES ↓", "{:.3f}"),
     ),
     eval_keys={
-        "forget_verbmem": "forget_verbmem_ROUGE",
-        "forget_knowmem": "forget_knowmem_ROUGE",
-        "retain_knowmem": "retain_knowmem_ROUGE",
-        "privleak": "privleak",
-        "extraction_strength": "extraction_strength",
+        **{name: f"{name}_ROUGE" for name in ("forget_verbmem", "forget_knowmem", "retain_knowmem")},
+        **{name: name for name in ("privleak", "extraction_strength")},
     },
     derived={},
     utility="retain_knowmem",

@@ -1,6 +1,6 @@
 #!/bin/bash
-# {name} in open-unlearning, as a pip-installable plugin: palu-trainer installed in this framework's environment
-# (`pip install .` in its checkout) registers trainer={handler} and its configs; nothing here is edited. Every
+# {contribution.name} in open-unlearning, as a pip-installable plugin: palu-trainer installed in this framework's environment
+# (`pip install .` in its checkout) registers trainer={contribution.name} and its configs; nothing here is edited. Every
 # array below can be set from the environment (a space-separated list) to run a smaller grid or another model.
 set -euo pipefail
 
@@ -14,13 +14,13 @@ gradient_accumulation_steps=${{GRADIENT_ACCUMULATION_STEPS:-8}}
 train_args=(${{TRAIN_ARGS:-}})  # e.g. +runtime=cpu on a machine without CUDA
 eval_args=(${{EVAL_ARGS:-}})
 
-unlearn_and_evaluate() {{  # model forget_split retain_split lr {knob}
-    local model=$1 forget_split=$2 retain_split=$3 lr=$4 {knob}=$5
-    local task_name=tofu_${{model}}_${{forget_split}}_{name}_lr${{lr}}_{knob}${{{knob}}}
+unlearn_and_evaluate() {{  # model forget_split retain_split lr {contribution.knob}
+    local model=$1 forget_split=$2 retain_split=$3 lr=$4 {contribution.knob}=$5
+    local task_name=tofu_${{model}}_${{forget_split}}_{contribution.name}_lr${{lr}}_{contribution.knob}${{{contribution.knob}}}
     local model_path=${{MODEL_PATH:-open-unlearning/tofu_${{model}}_full}}
-    echo "${{task_name}}: unlearning ${{model_path}} with {name}"
+    echo "${{task_name}}: unlearning ${{model_path}} with {contribution.name}"
     python src/train.py --config-name=unlearn.yaml \
-        experiment={experiment} \
+        experiment={contribution.experiment} \
         task_name=${{task_name}} \
         model=${{model}} \
         forget_split=${{forget_split}} \
@@ -31,7 +31,7 @@ unlearn_and_evaluate() {{  # model forget_split retain_split lr {knob}
         trainer.args.per_device_train_batch_size=${{per_device_train_batch_size}} \
         trainer.args.gradient_accumulation_steps=${{gradient_accumulation_steps}} \
         trainer.args.learning_rate=${{lr}} \
-        trainer.method_args.{knob}=${{{knob}}} \
+        trainer.method_args.{contribution.knob}=${{{contribution.knob}}} \
         "${{train_args[@]}}"
     python src/eval.py \
         experiment=eval/tofu/default.yaml \
@@ -48,17 +48,17 @@ unlearn_and_evaluate() {{  # model forget_split retain_split lr {knob}
 ########################################################################################################################
 ############################################ Hyper parameter tuning ####################################################
 ########################################################################################################################
-# The paper's grid: learning rate x {knob}
+# The paper's grid: learning rate x {contribution.knob}
 
 lrs=(${{LRS:-{learning_rates}}})
-{knob}s=(${{KNOBS:-{knob_grid}}})
+{contribution.knob}s=(${{KNOBS:-{knob_grid}}})
 
 if [ "${{STAGE:-tune}}" = tune ]; then
     for split in "${{forget_retain_splits[@]}}"; do
         for model in "${{models[@]}}"; do
             for lr in "${{lrs[@]}}"; do
-                for {knob} in "${{{knob}s[@]}}"; do
-                    unlearn_and_evaluate "$model" $split "$lr" "${knob}"
+                for {contribution.knob} in "${{{contribution.knob}s[@]}}"; do
+                    unlearn_and_evaluate "$model" $split "$lr" "${contribution.knob}"
                 done
             done
         done
@@ -68,13 +68,13 @@ fi
 ########################################################################################################################
 ############################################ Final best parameters #####################################################
 ########################################################################################################################
-# The defaults of configs/trainer/{name}.yaml and the framework's TOFU recipe: learning rate {best_lr},
-# {knob} {best_knob}, on every TOFU split
+# The defaults of configs/trainer/{contribution.name}.yaml and the framework's TOFU recipe: learning rate {contribution.best[0]},
+# {contribution.knob} {contribution.best[1]}, on every TOFU split
 
 if [ "${{STAGE:-tune}}" = best ]; then
     for split in "forget01 retain99" "forget05 retain95" "forget10 retain90"; do
         for model in "${{models[@]}}"; do
-            unlearn_and_evaluate "$model" $split {best_lr} {best_knob}
+            unlearn_and_evaluate "$model" $split {contribution.best[0]} {contribution.best[1]}
         done
     done
 fi
