@@ -4,7 +4,8 @@ methods: their hub datasets and local mirrors, splits, experiment configs, evalu
 
 from dataclasses import dataclass
 
-from palu_trainer.experiments import methods, report
+from palu_trainer.experiments import report
+from palu_trainer.experiments.methods import METHODS
 from palu_trainer.framework.local_mirrors import LOCAL_MIRRORS
 
 
@@ -33,8 +34,14 @@ class BenchmarkFacts:
     def eval_file(self) -> str:  # what the evaluator writes to the evaluation's output folder
         return f"{self.name}_EVAL.json"
 
-    def method_overrides(self, method: str) -> list[str]:
-        return methods.method_overrides(method, self.name.lower())
+    def method_overrides(self, name: str) -> list[str]:
+        """The experiment and trainer overrides that run method `name` here; spans and "I don't know" answers
+        are the caller's."""
+        method = METHODS[name]
+        experiment = method.tofu_experiment if self.name == "TOFU" else method.muse_experiment
+        if experiment is None:
+            raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
+        return [f"experiment={experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
 
     def hub(self, subset: str) -> str:
         return self.hub_id.format(subset=subset)

@@ -107,16 +107,6 @@ def side_by_side_methods(bench: str = "tofu") -> tuple[str, ...]:
     )
 
 
-def method_overrides(name: str, bench: str) -> list[str]:
-    """The experiment and trainer overrides that run method `name` on `bench` (tofu or muse); spans and "I
-    don't know" answers are the caller's."""
-    method = METHODS[name]
-    experiment = method.tofu_experiment if bench == "tofu" else method.muse_experiment
-    if experiment is None:
-        raise ValueError(f"{name} has no MUSE experiment in this plugin (experiments/methods.py)")
-    return [f"experiment={experiment}", f"trainer={method.trainer}", *method.trainer_overrides]
-
-
 def tuning_grid(
     name: str, learning_rates: tuple[float, ...], tune_knobs: bool
 ) -> list[tuple[float, dict, tuple[str, ...]]]:

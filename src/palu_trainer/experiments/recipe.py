@@ -30,7 +30,6 @@ PER_DEVICE_BATCH = 4
 FLASH_ATTN_INSTALL = (
     "`make flash-attn` (MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
 )
-HF_LOGIN = "huggingface-cli login"
 
 
 def model_config(name: str) -> dict:
@@ -338,8 +337,8 @@ def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.enviro
     if isinstance(try_to_load_from_cache(repo_id, filename), str):
         return None
     login = (
-        f"run `{HF_LOGIN}` with a token of an account that has access (if gated, accept its licence at "
-        f"https://huggingface.co/{repo_id})"
+        "run `huggingface-cli login` with a token of an account that has access (if gated, accept its "
+        f"licence at https://huggingface.co/{repo_id})"
     )
     local, name = "or set MODEL_DIR to local weights saved with their tokenizer", f"{what} {repo_id}"
     if environ.get("HF_HUB_OFFLINE") == "1":
