@@ -35,8 +35,7 @@ class BenchmarkFacts:
         return f"{self.name}_EVAL.json"
 
     def method_overrides(self, name: str) -> list[str]:
-        """The experiment and trainer overrides that run method `name` here; spans and "I don't know" answers
-        are the caller's."""
+        """Experiment and trainer overrides of method `name` here; spans and idk answers are the caller's."""
         method = METHODS[name]
         experiment = method.tofu_experiment if self.name == "TOFU" else method.muse_experiment
         if experiment is None:

@@ -18,9 +18,8 @@ KIT_DIR = RESOURCES_DIR / "kit"  # the templates: README.md, run.sh, <name>.bib,
 
 
 def contributions() -> list[SimpleNamespace]:
-    """One per method folder, from the kit's contributions.yaml: name, title, authors, links, summary, setup,
-    experiment; knob (the method_args key the grid sweeps), knob_grid, learning_rates; best (learning rate,
-    knob value: the trainer config's and the framework's defaults)."""
+    """One per method folder, from the kit's contributions.yaml (its keys as attributes; `best`: the learning
+    rate and knob value of run.sh's final stage, the trainer config's and the framework's defaults)."""
     return [
         SimpleNamespace(**entry) for entry in yaml.safe_load((KIT_DIR / "contributions.yaml").read_text())
     ]

@@ -27,6 +27,7 @@ from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
 GLOBAL_BATCH = 32
 PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # any of them in MODEL_DIR
 FLASH_ATTN_INSTALL = (
     "`make flash-attn` (MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
 )
@@ -320,9 +321,6 @@ def missing_requirements(
             f"{eval_logs}, or set RETAIN_LOGS"
         )
     return problems
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.environ) -> str | None:
