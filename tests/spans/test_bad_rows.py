@@ -123,6 +123,16 @@ def test_import_tpo_checks_each_span_text_against_the_answer(tmp_path, capsys, s
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_import_tpo_says_when_a_span_text_is_not_in_the_answer(tmp_path):
+    tpo = write_jsonl(
+        tmp_path / "tpo.jsonl", [{"answer": ANSWER, "spans": [{"start": 0, "end": 3, "text": "Zed"}]}]
+    )
+    with pytest.raises(
+        AnnotationError, match=r"tpo\.jsonl line 1: span \[0, 3\) covers .*; the text is not in the answer"
+    ):
+        import_tpo(tpo, tmp_path / "out.jsonl")
+
+
 def test_a_tpo_file_as_span_annotations_points_to_import_tpo(tmp_path, capsys, shared_dir, tofu_dir):
     tpo = shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl"
     with pytest.raises(

@@ -38,10 +38,7 @@ class Agreement:
 def word_agreement(
     answers: Sequence[str], reference: Sequence[Sequence[Span]], candidate: Sequence[Sequence[Span]]
 ) -> Agreement:
-    """Agreement on word tokens (maximal runs of letters, digits and underscores, `\\w+`).
-
-    A word is marked by a file when any of its characters lies in one of the row's spans.
-    """
+    """Agreement on word tokens (`\\w+`); a file marks a word when any of its characters is in a span."""
     counts = Counter()
     for answer, reference_spans, candidate_spans in zip(answers, reference, candidate, strict=True):
         for word in WORD.finditer(answer):
@@ -51,13 +48,12 @@ def word_agreement(
 
 def span_agreement(reference: Sequence[Sequence[Span]], candidate: Sequence[Sequence[Span]]) -> Agreement:
     """Agreement on spans: a candidate span counts only where the reference has exactly the same span."""
-    true_positives = false_positives = false_negatives = 0
+    counts = Counter()
     for reference_spans, candidate_spans in zip(reference, candidate, strict=True):
         reference_set, candidate_set = set(map(tuple, reference_spans)), set(map(tuple, candidate_spans))
-        true_positives += len(reference_set & candidate_set)
-        false_positives += len(candidate_set - reference_set)
-        false_negatives += len(reference_set - candidate_set)
-    return Agreement(true_positives, false_positives, false_negatives)
+        for span in reference_set | candidate_set:
+            counts[span in reference_set, span in candidate_set] += 1
+    return Agreement(counts[True, True], counts[False, True], counts[True, False])
 
 
 def _covers(spans: Iterable[Span], word: re.Match) -> bool:

@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import compress, groupby
 from pathlib import Path
 
 from palu_trainer.spans.format import Span, merge_spans
@@ -142,11 +142,6 @@ class Token:
         return POSSESSIVE.sub("", self.text.lower())
 
     @property
-    def end_without_possessive(self) -> int:
-        """Where the word ends without a possessive ending: the end of "Karachi" in "Karachi's"."""
-        return self.start + len(POSSESSIVE.sub("", self.text))
-
-    @property
     def is_possessive(self) -> bool:
         return self.text.endswith(POSSESSIVE_ENDINGS)
 
@@ -205,13 +200,13 @@ def is_no_information(answer: str) -> bool:
     return all(NO_INFORMATION.search(sentence) and not CONTRAST.search(sentence) for sentence in sentences)
 
 
-def quoted_spans(answer: str) -> list[Span]:
-    """Quoted titles, without the quotes or the punctuation inside them ('"The Town That Drowned."')."""
-    spans = []
+def quoted_spans(answer: str, max_words: int | None = None) -> list[Span]:
+    """Quoted titles of at most `max_words` words, without the quotes or the punctuation inside them."""
+    spans = []  # '"The Town That Drowned."' gives "The Town That Drowned"
     for match in QUOTE_PATTERN.finditer(answer):
         start = match.start(match.lastindex)
         end = start + len(match.group(match.lastindex).rstrip(".,;:!? "))
-        if end > start:
+        if end > start and (max_words is None or len(answer[start:end].split()) <= max_words):
             spans.append((start, end))
     return spans
 
@@ -255,17 +250,16 @@ def classify(
 
 def _join_amounts(tokens: Sequence[Token], kinds: list[str]) -> None:
     """Currency signs before a number and units after it become part of it: "£4.5m", "12 per cent"."""
+    words = [token.text.lower() for token in tokens] + ["."]
     for position in range(len(tokens)):
         if kinds[position] != NUMBER:
             continue
         if position and tokens[position - 1].text in CURRENCY_SIGNS:
             kinds[position - 1] = NUMBER
         following = position + 1
-        while following < len(tokens) and tokens[following].text.lower() in AMOUNT_UNITS:
-            if tokens[following].text.lower() == "per" and (
-                following + 1 >= len(tokens) or tokens[following + 1].text.lower() != "cent"
-            ):
-                break
+        while words[following] in AMOUNT_UNITS and (
+            words[following] != "per" or words[following + 1] == "cent"
+        ):
             kinds[following] = NUMBER
             following += 1
 
@@ -307,19 +301,21 @@ def phrase_evidence(
     tokens: Sequence[Token], phrase: Sequence[int], background: Background, style: Style = QA
 ) -> float:
     stems = [tokens[position].stem for position in phrase]
-    previous = tokens[phrase[0] - 1] if phrase[0] else None
+    previous = tokens[phrase[0] - 1] if phrase[0] else Token(0, 0, ".")
     following = tokens[phrase[-1] + 1].text.lower() if phrase[-1] + 1 < len(tokens) else "."
     evidence = WEIGHT_PER_WORD * min(len(stems), 3)
     evidence += WEIGHT_SPECIFICITY * max(background.specificity(stem) for stem in stems)
-    if previous is not None:
-        previous_word = previous.text.lower()
-        if previous_word in POSSESSIVE_DETERMINERS or previous.is_possessive:
-            evidence += WEIGHT_AFTER_POSSESSOR
-        if previous_word in PREPOSITIONS:
-            evidence += WEIGHT_AFTER_PREPOSITION
-        if previous_word in ("and", ",", "as"):
-            evidence += WEIGHT_LIST_ITEM
-    if _is_predicate(tokens, phrase[0]):
+    previous_word = previous.text.lower()
+    if previous_word in POSSESSIVE_DETERMINERS or previous.is_possessive:
+        evidence += WEIGHT_AFTER_POSSESSOR
+    if previous_word in PREPOSITIONS:
+        evidence += WEIGHT_AFTER_PREPOSITION
+    if previous_word in ("and", ",", "as"):
+        evidence += WEIGHT_LIST_ITEM
+    before = [token.text.lower() for token in tokens[max(phrase[0] - 2, 0) : phrase[0]]]
+    if before and before[-1] in ("a", "an"):
+        before.pop()
+    if before and before[-1] in COPULAS:  # what the subject is: "her father was a radiologist"
         evidence += WEIGHT_PREDICATE
     if following in ("of", "to", "as", "that"):
         evidence += WEIGHT_BEFORE_OF
@@ -331,14 +327,6 @@ def phrase_evidence(
     ):
         evidence += WEIGHT_AFTER_FIRST_SENTENCE
     return evidence
-
-
-def _is_predicate(tokens: Sequence[Token], start: int) -> bool:
-    """The phrase is what its sentence says the subject is: "her father was a radiologist"."""
-    before = [token.text.lower() for token in tokens[max(start - 2, 0) : start]]
-    if before and before[-1] in ("a", "an"):
-        before.pop()
-    return bool(before) and before[-1] in COPULAS
 
 
 def annotate_answer(question: str, answer: str, background: Background) -> list[Span]:
@@ -354,26 +342,21 @@ def annotate_answer(question: str, answer: str, background: Background) -> list[
 
 def annotate_text(text: str, background: Background, style: Style = RAW_TEXT) -> list[Span]:
     """Sensitive character spans `[start, end)` of raw prose (a news article), paragraph by paragraph."""
-    spans = []
-    for paragraph in re.finditer(r"[^\n]+", text):
-        offset = paragraph.start()
-        found = _annotate_passage(paragraph.group(), set(), background, style)
-        spans += [(start + offset, end + offset) for start, end in found]
-    return spans
+    return [
+        (start + paragraph.start(), end + paragraph.start())
+        for paragraph in re.finditer(r"[^\n]+", text)
+        for start, end in _annotate_passage(paragraph.group(), set(), background, style)
+    ]
 
 
 def _annotate_passage(passage: str, asked: set[str], background: Background, style: Style) -> list[Span]:
     """Spans of one answer or paragraph; `asked`: the question's words (context, not facts)."""
-    quoted = [
-        (start, end)
-        for start, end in quoted_spans(passage)
-        if style.max_title_words is None or len(passage[start:end].split()) <= style.max_title_words
-    ]
+    quoted = quoted_spans(passage, style.max_title_words)
     tokens = tokenize(passage)
     kinds = classify(tokens, quoted, background, style)
-    phrases = [
-        phrase for run in _runs(kinds) for phrase in _phrases(tokens, kinds, run, asked, style.name_modifiers)
-    ]
+    grouped = groupby(range(len(kinds)), key=lambda position: kinds[position] in PHRASE_KINDS)
+    runs = [list(positions) for in_phrase, positions in grouped if in_phrase]
+    phrases = [phrase for run in runs for phrase in _phrases(tokens, kinds, run, asked, style.name_modifiers)]
     evidence = [
         math.inf
         if any(kinds[position] in (NAME, NUMBER) for position in phrase)
@@ -386,24 +369,17 @@ def _annotate_passage(passage: str, asked: set[str], background: Background, sty
             for index in group:
                 kept[index] |= evidence[index] + WEIGHT_COORDINATED_WITH_KEPT >= style.phrase_threshold
     spans = list(quoted)
-    for phrase, keep in zip(phrases, kept):
-        bounds = _fact_bounds(tokens, kinds, phrase) if keep else None
-        if bounds is not None:
-            spans.append((tokens[bounds[0]].start, tokens[bounds[1]].end_without_possessive))
+    for phrase in compress(phrases, kept):  # the fact without opening praise or a closing person noun
+        first, last = phrase[0], phrase[-1]
+        while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
+            first += 1
+        while first <= last and kinds[last] == CONTENT and tokens[last].stem in PERSON_NOUNS:
+            last -= 1
+        if first <= last:  # nothing is left of "renowned author"; "Karachi's" ends with "Karachi"
+            spans.append(
+                (tokens[first].start, tokens[last].start + len(POSSESSIVE.sub("", tokens[last].text)))
+            )
     return merge_spans(spans)
-
-
-def _fact_bounds(
-    tokens: Sequence[Token], kinds: Sequence[str], phrase: Sequence[int]
-) -> tuple[int, int] | None:
-    """First and last position of the fact in a phrase, without opening praise or a closing person noun; None
-    when nothing else is left ("renowned author")."""
-    first, last = phrase[0], phrase[-1]
-    while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
-        first += 1
-    while first <= last and kinds[last] == CONTENT and tokens[last].stem in PERSON_NOUNS:
-        last -= 1
-    return (first, last) if first <= last else None
 
 
 def _coordinated(tokens: Sequence[Token], phrases: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -419,12 +395,6 @@ def _coordinated(tokens: Sequence[Token], phrases: Sequence[Sequence[int]]) -> l
     return groups
 
 
-def _runs(kinds: Sequence[str]) -> list[list[int]]:
-    """Maximal runs of positions whose kind can be part of a phrase."""
-    runs = groupby(range(len(kinds)), key=lambda position: kinds[position] in PHRASE_KINDS)
-    return [list(positions) for in_phrase, positions in runs if in_phrase]
-
-
 def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
     """Split a run into names and lowercase words; drop a name the question has where it ends the run or is
     possessive, and lowercase words right before a name, which qualify it ("prestigious Maple Leaf Literary
@@ -432,8 +402,7 @@ def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
     parts: list[tuple[bool, list[int]]] = []
     for position in run:
         is_name = kinds[position] in (NAME, NUMBER, JOINER)
-        previous = parts[-1][1][-1] if parts else None
-        ends_phrase = previous is not None and tokens[previous].is_possessive and kinds[previous] != JOINER
+        ends_phrase = tokens[position - 1].is_possessive and kinds[position - 1] != JOINER
         if parts and parts[-1][0] == is_name and not ends_phrase:
             parts[-1][1].append(position)
         else:
@@ -449,13 +418,10 @@ def _phrases(tokens, kinds, run, asked, name_modifiers=True) -> list[list[int]]:
                 continue
         elif not last and parts[index + 1][0]:
             continue
-        joins_previous = name_modifiers or is_name or not parts[index - 1][0]
-        if (
-            joins_previous
-            and phrases
-            and phrases[-1][-1] + 1 == positions[0]
-            and not tokens[phrases[-1][-1]].is_possessive
-        ):
+        adjacent = (
+            phrases and phrases[-1][-1] + 1 == positions[0] and not tokens[phrases[-1][-1]].is_possessive
+        )
+        if adjacent and (name_modifiers or is_name or not parts[index - 1][0]):
             phrases[-1].extend(positions)
         else:
             phrases.append(list(positions))

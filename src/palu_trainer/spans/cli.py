@@ -145,14 +145,12 @@ def _run_score(args):
 
 def _run_validate(args):
     answers = _dataset_answers(args)
-    field = args.text_key or "answer"
-    spans = validate_annotations(read_annotations(args.file, field), answers, source=args.file, field=field)
+    spans = _spans_for(args, args.file, None, answers)
     print(f"{args.file}: {len(answers)} rows match the dataset")
     if warning := word_cut_warning(answers, spans, args.file):
         print(f"palu-annotate validate: warning: {warning}", file=sys.stderr)
 
 
-# MUSE's evaluation configs: the annotator never reads them.
 EVALUATION_CONFIGS = ("knowmem", "verbmem", "privleak")
 
 
@@ -181,8 +179,7 @@ def _dataset_rows(args) -> list[dict]:
     if not rows:
         raise AnnotationError(f"{args.dataset}: no rows (empty file or split); nothing to annotate")
     keys = {args.text_key} if args.text_key else {args.question_key, args.answer_key}
-    missing = keys - set(rows[0])
-    if missing:
+    if missing := keys - set(rows[0]):
         raise AnnotationError(
             f"{args.dataset}: rows have no {sorted(missing)}; name the keys with "
             + ("--text-key" if args.text_key else "--question-key/--answer-key")

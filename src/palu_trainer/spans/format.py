@@ -122,12 +122,28 @@ def validate_annotations(
                 f"({row[key][:10]}… vs {fingerprint(answer)[:10]}…): the file belongs to "
                 "another split or its rows are shifted; regenerate it for this dataset"
             )
-        spans = _span_pairs(row["spans"], f"{where}, field 'spans'")
+        field_spans = f"{where}, field 'spans'"
+        if not isinstance(row["spans"], list):
+            raise AnnotationError(
+                f'{field_spans}: {row["spans"]!r} is not a list; a row without spans has `"spans": []`'
+            )
+        for number, span in enumerate(row["spans"]):
+            if isinstance(span, dict):
+                raise AnnotationError(
+                    f"{field_spans}[{number}]: {span!r} is an object; spans are [start, end] pairs "
+                    "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
+                )
+            if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
+                raise AnnotationError(
+                    f"{field_spans}[{number}]: {span!r} is not a [start, end] pair of integer "
+                    "character offsets"
+                )
+        spans = [(start, end) for start, end in row["spans"]]
         previous_end = 0
         for start, end in spans:
             if start >= end:
                 raise AnnotationError(
-                    f"{where}, field 'spans': span [{start}, {end}) is empty or reversed (start >= end)"
+                    f"{field_spans}: span [{start}, {end}) is empty or reversed (start >= end)"
                 )
             if not 0 <= start < end <= len(answer):
                 article = "an" if field[0] in "aeiou" else "a"
@@ -149,32 +165,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _span_pairs(spans, where: str) -> list[Span]:
-    """`[[start, end], ...]` as tuples; any other shape is an AnnotationError naming `where`."""
-    if not isinstance(spans, list):
-        raise AnnotationError(f'{where}: {spans!r} is not a list; a row without spans has `"spans": []`')
-    pairs = []
-    for number, span in enumerate(spans):
-        if isinstance(span, dict):
-            raise AnnotationError(
-                f"{where}[{number}]: {span!r} is an object; spans are [start, end] pairs "
-                "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
-            )
-        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
-            raise AnnotationError(
-                f"{where}[{number}]: {span!r} is not a [start, end] pair of integer character offsets"
-            )
-        pairs.append((span[0], span[1]))
-    return pairs
-
-
 def spans_inside_words(answer: str, spans: Iterable[Span]) -> int:
     """Spans whose start or end falls inside a word ("Kuwait" in "Al-Kuwaiti"), where a token straddles it."""
-
-    def inside(offset: int) -> bool:
-        return 0 < offset < len(answer) and answer[offset - 1].isalnum() and answer[offset].isalnum()
-
-    return sum(inside(start) or inside(end) for start, end in spans)
+    inside = {i for i in range(1, len(answer)) if answer[i - 1].isalnum() and answer[i].isalnum()}
+    return sum(start in inside or end in inside for start, end in spans)
 
 
 def word_cut_warning(answers: Sequence[str], spans: Sequence[Sequence[Span]], source: str) -> str | None:
@@ -191,10 +185,10 @@ def word_cut_warning(answers: Sequence[str], spans: Sequence[Sequence[Span]], so
 
 
 def merge_spans(spans: Iterable[Span]) -> list[Span]:
-    merged: list[list[int]] = []
+    merged: list[Span] = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
+            merged.append((start, end))
+    return merged

@@ -38,12 +38,9 @@ def _checked_span(answer: str, span: dict, where: str) -> Span:
     start, end = span["start"], span["end"]
     text = span.get("text")
     if text is not None and answer[start:end] != text:
-        found = [i for i in range(len(answer)) if answer.startswith(text, i)]
-        hint = (
-            f"the text is at offset {found[0]} (shifted by {found[0] - start:+d})"
-            if found
-            else "the text is not in the answer"
-        )
+        found = answer.find(text)
+        shifted = f"the text is at offset {found} (shifted by {found - start:+d})"
+        hint = shifted if found >= 0 else "the text is not in the answer"
         raise AnnotationError(
             f"{where}: span [{start}, {end}) covers {answer[start:end]!r} but its text is {text!r}; {hint}. "
             "Fix the offsets (or the text) in the TPO file and import it again"
