@@ -31,9 +31,6 @@ class InitiatingPolicy:
     merge_adjacent_spans: spans whose tokens follow each other with no token between them (separated by
         nothing or by whitespace that the tokenizer attaches to the next word) are one span, as in the
         released code.
-
-    The forget dataset owns the policy and fixes roles when it is built, so every consumer (the trainer,
-    the reference cache) reads the same roles.
     """
 
     num_tokens: int = 3

@@ -11,13 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from palu_trainer.method.chunking import at_least_fp32, logits_of
-from palu_trainer.method.kl import (
-    KL_DIRECTIONS,
-    common_kl_loss,
-    common_kl_loss_top_m,
-    common_kl_to_reference_loss,
-    common_kl_to_reference_top_m,
-)
+from palu_trainer.method.kl import KL_DIRECTIONS, common_kl_loss, common_kl_to_reference_loss, top_m_kl
 from palu_trainer.method.roles import at_forget_positions
 
 
@@ -112,10 +106,10 @@ class TopMReference:
         return self.initiating_targets.rows(rows)
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        indices, common, tail = self.indices[rows], self.common[rows], self.tail[rows]
-        if self.kl_direction == "policy_to_ref":
-            return common_kl_to_reference_top_m(logits, indices, common, tail)
-        return common_kl_loss_top_m(logits, indices, common, tail, self.neg_entropy[rows])
+        neg_entropy = None if self.neg_entropy is None else self.neg_entropy[rows]
+        return top_m_kl(
+            logits, self.kl_direction, self.indices[rows], self.common[rows], self.tail[rows], neg_entropy
+        )
 
 
 def common_fields(logits: torch.Tensor, kl_direction: str, top_m: int | None) -> dict[str, torch.Tensor]:
