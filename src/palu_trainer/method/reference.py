@@ -72,17 +72,9 @@ class DenseReference:
         return self.initiating_targets.rows(rows)
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        neg_entropy = None if self.neg_entropy is None else self.neg_entropy[rows]
-        return dense_kl(logits, self.kl_direction, self.common[rows], neg_entropy)
-
-
-def dense_kl(
-    logits: torch.Tensor, kl_direction: str, common: torch.Tensor, neg_entropy: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`DenseReference.kl` of its fields (`common`, `neg_entropy`) at the rows of `logits`."""
-    if kl_direction == "policy_to_ref":
-        return common_kl_to_reference_loss(logits, common)
-    return common_kl_loss(logits, common, neg_entropy)
+        if self.kl_direction == "policy_to_ref":
+            return common_kl_to_reference_loss(logits, self.common[rows])
+        return common_kl_loss(logits, self.common[rows], self.neg_entropy[rows])
 
 
 @dataclass
@@ -153,7 +145,8 @@ class ModelReference:
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         with torch.no_grad():
             fields = common_fields(logits_of(self.common_states[rows], self.project), self.kl_direction, None)
-        return dense_kl(logits, self.kl_direction, **fields)
+        # these rows' P_ref, projected now: no initiating targets
+        return DenseReference(None, self.kl_direction, **fields).kl(logits, slice(None))
 
 
 def reference_targets(
@@ -179,9 +172,8 @@ def reference_targets(
     assert kl_direction in KL_DIRECTIONS, kl_direction  # PALUOptions checked it
 
     def in_chunks(rows_states, fields):
-        step = chunk_rows or max(len(rows_states), 1)
-        starts = range(0, max(len(rows_states), 1), step)
-        parts = [fields(logits_of(rows_states[start : start + step], project)) for start in starts]
+        chunks = rows_states.split(chunk_rows or max(len(rows_states), 1))
+        parts = [fields(logits_of(chunk, project)) for chunk in chunks]
         return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
     initiating_states, common_states = at_forget_positions(states, roles)
