@@ -29,8 +29,8 @@ def check_top_k(top_k):
 
 
 def resolve_top_k(top_k, vocab_size: int) -> int:
-    """K as used, logged: `top_k` capped at |V|, |V| for `all`, round(p·|V|) (at least 1) for a share p
-    (0.15625 is the paper's K=5000 on Llama-2's 32000 tokens). K = |V| warns."""
+    """K as used, logged: `top_k` capped at |V|, |V| for `all`, round(p·|V|) (at least 1) for a share p;
+    K = |V| warns."""
     if top_k == "all":
         k = vocab_size
     elif isinstance(top_k, int):
