@@ -98,10 +98,9 @@ class TopMReference:
         return self.initiating_targets.rows(rows)
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        indices, common, tail = self.indices[rows], self.common[rows], self.tail[rows]
         neg_entropy = None if self.neg_entropy is None else self.neg_entropy[rows]
-        return top_m_kl(
-            logits, self.kl_direction, self.indices[rows], self.common[rows], self.tail[rows], neg_entropy
-        )
+        return top_m_kl(logits, self.kl_direction, indices, common, tail, neg_entropy)
 
 
 def common_fields(logits: torch.Tensor, kl_direction: str, top_m: int | None) -> dict[str, torch.Tensor]:
