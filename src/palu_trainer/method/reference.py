@@ -21,8 +21,7 @@ class InitiatingTargets:
 
     topk_indices: (M, K) int64, its top-K vocabulary entries (the entries the local loss flattens).
     logit_mean: (M,) fp32, its mean logit (the `ref_mean` target).
-    topk_spread: (M,) fp32, its own local loss, (1/K)·Σ_{top-K}(z_ref − mean z_ref)²: the divisor of
-        `local_loss_scale=reference`.
+    topk_spread: (M,) fp32, its own local loss (`global_mean`): the divisor of `local_loss_scale=reference`.
     """
 
     topk_indices: torch.Tensor
