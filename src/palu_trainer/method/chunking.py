@@ -7,10 +7,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Logits held at once: 2**22 fp32 numbers (16 MiB, 32 positions at |V| = 128256); a step never holds
-# (positions x |V|) logits.
-LOGIT_CHUNK_ELEMENTS = 2**22
-
 
 def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
     """fp32 for half-precision inputs; float64 stays float64."""
@@ -43,8 +39,9 @@ def chunk_count(rows: int, chunk_rows: int) -> int:
 
 
 def logit_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk of `mean_over_chunks`: LOGIT_CHUNK_ELEMENTS logits, at least one row."""
-    return max(1, LOGIT_CHUNK_ELEMENTS // vocab_size)
+    """Rows per chunk of `mean_over_chunks`: 2**22 fp32 logits (16 MiB, 32 positions at |V| = 128256), at
+    least one row, so that a step never holds (positions x |V|) logits."""
+    return max(1, 2**22 // vocab_size)
 
 
 def mean_over_chunks(

@@ -10,8 +10,7 @@ from pydantic import ConfigDict, model_validator
 from palu_trainer.validation import Choice, Integer, Number, Options
 
 STRATEGIES = ("first_n", "all", "ratio", "random_n")
-# The experiment's options of the policy: the policy's field each sets and the strategies that read it (any
-# other strategy ignores it).
+# The experiment's options of the policy: the policy's field each sets and the strategies that read it.
 POLICY_OPTIONS = {
     "num_initiating_tokens": ("num_tokens", ("first_n", "random_n")),
     "initiating_ratio": ("ratio", ("ratio",)),
@@ -31,9 +30,6 @@ class InitiatingPolicy:
     merge_adjacent_spans: spans whose tokens follow each other with no token between them (separated by
         nothing or by whitespace that the tokenizer attaches to the next word) are one span, as in the
         released code.
-
-    The forget dataset owns the policy and fixes roles when it is built, so every consumer (the trainer,
-    the reference cache) reads the same roles.
     """
 
     num_tokens: int = 3
@@ -86,8 +82,7 @@ class InitiatingPolicy:
 class InitiatingOptions(Options):
     """The forget dataset's initiating options, as its `args` (or the experiment's top level) write them.
 
-    None is unset (the policy's default: N=3, ratio 0.5, seed 0). An option the strategy does not read must
-    stay unset: `initiating_ratio=0.25` with `first_n`, or `num_initiating_tokens=1` with `all`, would
+    None is unset (the policy's default). An option the strategy does not read must stay unset: it would
     otherwise be dropped without a word (`POLICY_OPTIONS`).
     """
 

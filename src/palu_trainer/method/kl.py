@@ -122,20 +122,6 @@ class _KLFromTopM(torch.autograd.Function):
         return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None, None
 
 
-def common_kl_loss_top_m(
-    logits: torch.Tensor,
-    indices: torch.Tensor,
-    probs: torch.Tensor,
-    tail_mass: torch.Tensor,
-    neg_entropy: torch.Tensor,
-) -> torch.Tensor:
-    """Mean over common positions of KL(P̃_ref ‖ P̃_θ), P_ref kept as its top-m entries and a tail bucket
-    (`common_kl_loss` when m = V): logits (C, V); indices (C, m) int64, the reference's m most probable
-    entries; probs (C, m) their P_ref; tail_mass (C,) r, the rest; neg_entropy (C,) Σ_top p·log p + r·log r.
-    """
-    return _mean_over_rows(_KLFromTopM, logits, probs, tail_mass, neg_entropy, indices=indices)
-
-
 class _KLToTopM(torch.autograd.Function):
     """Per-row KL(P̃_θ ‖ P̃_ref) over the m cached entries plus one tail bucket (all other entries).
 
@@ -170,11 +156,16 @@ class _KLToTopM(torch.autograd.Function):
         return gradient.mul_(grad_rows.unsqueeze(-1)), None, None, None
 
 
-def common_kl_to_reference_top_m(
-    logits: torch.Tensor, indices: torch.Tensor, log_probs: torch.Tensor, log_tail_mass: torch.Tensor
+def top_m_kl(
+    logits: torch.Tensor,
+    kl_direction: str,
+    indices: torch.Tensor,
+    common: torch.Tensor,
+    tail: torch.Tensor,
+    neg_entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean over common positions of KL(P̃_θ ‖ P̃_ref), P_ref kept as its top-m entries and a tail bucket
-    (`common_kl_to_reference_loss` when m = V): logits (C, V); indices (C, m) int64, the reference's m most
-    probable entries; log_probs (C, m) their log P_ref; log_tail_mass (C,) log r, the rest (-inf when m = V).
-    """
-    return _mean_over_rows(_KLToTopM, logits, log_probs, log_tail_mass, indices=indices)
+    """Mean over common positions of the KL in `kl_direction` between P_θ and P_ref kept as its top-m entries
+    and a tail bucket (`reference.TopMReference`'s fields; the dense KL when m = V): logits (C, V)."""
+    if kl_direction == "policy_to_ref":
+        return _mean_over_rows(_KLToTopM, logits, common, tail, indices=indices)
+    return _mean_over_rows(_KLFromTopM, logits, common, tail, neg_entropy, indices=indices)

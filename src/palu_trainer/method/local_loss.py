@@ -29,8 +29,8 @@ def check_top_k(top_k):
 
 
 def resolve_top_k(top_k, vocab_size: int) -> int:
-    """K as used, logged: `top_k` capped at |V|, |V| for `all`, round(p·|V|) (at least 1) for a share p
-    (0.15625 is the paper's K=5000 on Llama-2's 32000 tokens). K = |V| warns."""
+    """K as used, logged: `top_k` capped at |V|, |V| for `all`, round(p·|V|) (at least 1) for a share p;
+    K = |V| warns."""
     if top_k == "all":
         k = vocab_size
     elif isinstance(top_k, int):
@@ -83,18 +83,15 @@ def local_entropy_loss(
         return logits.new_zeros((), dtype=torch.float32)
     logits = at_least_fp32(logits)
     selected = logits.gather(-1, topk_indices)
-    if target == "global_mean":
-        center = logits.mean(dim=-1)
-    elif target == "topk_mean":
-        center = selected.mean(dim=-1)
-    elif target == "ref_mean":
-        if reference_logit_mean is None:
-            raise ValueError("target 'ref_mean' needs reference_logit_mean")
-        center = reference_logit_mean.to(logits.dtype)
-    elif target == "uniform":
-        center = logits.logsumexp(dim=-1) - math.log(logits.shape[-1])
-    else:
-        center = torch.zeros_like(selected[:, 0])
+    if target == "ref_mean" and reference_logit_mean is None:
+        raise ValueError("target 'ref_mean' needs reference_logit_mean")
+    center = {
+        "global_mean": lambda: logits.mean(dim=-1),
+        "topk_mean": lambda: selected.mean(dim=-1),
+        "ref_mean": lambda: reference_logit_mean.to(logits.dtype),
+        "uniform": lambda: logits.logsumexp(dim=-1) - math.log(logits.shape[-1]),
+        "zero": lambda: torch.zeros_like(selected[:, 0]),
+    }[target]()
     if not target_gradient:
         center = center.detach()
     per_position = (selected - center.unsqueeze(-1)).pow(2).mean(dim=-1)

@@ -1,8 +1,5 @@
-"""PALU's objective: loss = gamma·(local + λ·KL) + alpha·retain, one object owning its settings.
-
-Shapes: B batch, T sequence length, d the width of the states the objective is handed (the final hidden
-size, projected to V by `project`; or V itself when the states are logits and `project` is None).
-"""
+"""PALU's objective, one object owning its settings. Shapes: B batch, T sequence length, d the width of the
+states it is handed (the final hidden size, or V when they are logits and `project` is None)."""
 
 import math
 from collections.abc import Callable
@@ -19,10 +16,8 @@ from palu_trainer.method.roles import at_forget_positions, flat_rows, label_posi
 
 def check_kl_weight(kl_weight):
     """λ: a number >= 0, or `alpha` (the released code: the KL is weighted by alpha, outside gamma)."""
-    if kl_weight == "alpha":
-        return kl_weight
     number = isinstance(kl_weight, int | float) and not isinstance(kl_weight, bool)
-    if not (number and math.isfinite(kl_weight) and kl_weight >= 0):
+    if kl_weight != "alpha" and not (number and math.isfinite(kl_weight) and kl_weight >= 0):
         raise ValueError(
             "must be a number >= 0 (λ, the weight of the KL on common tokens) or `alpha` (the released "
             "code's tie of the KL weight to the retain weight)"
@@ -86,11 +81,9 @@ class PALUObjective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(local, KL) of one forget batch, fp32 scalars; redundant tokens contribute nothing.
 
-        Args:
-            states: (B, T, d), unshifted: position t-1 predicts token t. project: (n, d) -> (n, V), run only
-                at the initiating and common positions, `chunk_rows` at a time; None: `states` are logits.
-            roles: (B, T) TokenRole of each input token. reference: the reference's side for this batch.
-            calls: the projection calls, for ZeRO-3.
+        states: (B, T, d), unshifted: position t-1 predicts token t; roles: (B, T) their TokenRole. project:
+        (n, d) -> (n, V), run only at the initiating and common positions, `chunk_rows` at a time; None:
+        `states` are logits.
         """
 
         def local_rows(logits, rows):

@@ -53,8 +53,7 @@ class PALUOptions(Options):
     ) = False
 
     def objective(self, top_k: int, chunk_rows: int | None = None) -> PALUObjective:
-        """The objective these options ask for, with K resolved (`local_loss.resolve_top_k`) and `chunk_rows`
-        positions projected at once."""
+        """The objective these options ask for, with K resolved (see `PALUObjective`)."""
         shared = "target target_gradient kl_direction kl_weight local_loss_scale gamma alpha".split()
         return PALUObjective(top_k, chunk_rows=chunk_rows, **{name: getattr(self, name) for name in shared})
 

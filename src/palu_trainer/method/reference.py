@@ -11,13 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from palu_trainer.method.chunking import at_least_fp32, logits_of
-from palu_trainer.method.kl import (
-    KL_DIRECTIONS,
-    common_kl_loss,
-    common_kl_loss_top_m,
-    common_kl_to_reference_loss,
-    common_kl_to_reference_top_m,
-)
+from palu_trainer.method.kl import KL_DIRECTIONS, common_kl_loss, common_kl_to_reference_loss, top_m_kl
 from palu_trainer.method.roles import at_forget_positions
 
 
@@ -27,8 +21,7 @@ class InitiatingTargets:
 
     topk_indices: (M, K) int64, its top-K vocabulary entries (the entries the local loss flattens).
     logit_mean: (M,) fp32, its mean logit (the `ref_mean` target).
-    topk_spread: (M,) fp32, its own local loss, (1/K)·Σ_{top-K}(z_ref − mean z_ref)²: the divisor of
-        `local_loss_scale=reference`.
+    topk_spread: (M,) fp32, its own local loss (`global_mean`): the divisor of `local_loss_scale=reference`.
     """
 
     topk_indices: torch.Tensor
@@ -78,17 +71,9 @@ class DenseReference:
         return self.initiating_targets.rows(rows)
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        neg_entropy = None if self.neg_entropy is None else self.neg_entropy[rows]
-        return dense_kl(logits, self.kl_direction, self.common[rows], neg_entropy)
-
-
-def dense_kl(
-    logits: torch.Tensor, kl_direction: str, common: torch.Tensor, neg_entropy: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`DenseReference.kl` of its fields (`common`, `neg_entropy`) at the rows of `logits`."""
-    if kl_direction == "policy_to_ref":
-        return common_kl_to_reference_loss(logits, common)
-    return common_kl_loss(logits, common, neg_entropy)
+        if self.kl_direction == "policy_to_ref":
+            return common_kl_to_reference_loss(logits, self.common[rows])
+        return common_kl_loss(logits, self.common[rows], self.neg_entropy[rows])
 
 
 @dataclass
@@ -113,9 +98,8 @@ class TopMReference:
 
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         indices, common, tail = self.indices[rows], self.common[rows], self.tail[rows]
-        if self.kl_direction == "policy_to_ref":
-            return common_kl_to_reference_top_m(logits, indices, common, tail)
-        return common_kl_loss_top_m(logits, indices, common, tail, self.neg_entropy[rows])
+        neg_entropy = None if self.neg_entropy is None else self.neg_entropy[rows]
+        return top_m_kl(logits, self.kl_direction, indices, common, tail, neg_entropy)
 
 
 def common_fields(logits: torch.Tensor, kl_direction: str, top_m: int | None) -> dict[str, torch.Tensor]:
@@ -159,7 +143,8 @@ class ModelReference:
     def kl(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         with torch.no_grad():
             fields = common_fields(logits_of(self.common_states[rows], self.project), self.kl_direction, None)
-        return dense_kl(logits, self.kl_direction, **fields)
+        # these rows' P_ref, projected now: no initiating targets
+        return DenseReference(None, self.kl_direction, **fields).kl(logits, slice(None))
 
 
 def reference_targets(
@@ -185,9 +170,8 @@ def reference_targets(
     assert kl_direction in KL_DIRECTIONS, kl_direction  # PALUOptions checked it
 
     def in_chunks(rows_states, fields):
-        step = chunk_rows or max(len(rows_states), 1)
-        starts = range(0, max(len(rows_states), 1), step)
-        parts = [fields(logits_of(rows_states[start : start + step], project)) for start in starts]
+        chunks = rows_states.split(chunk_rows or max(len(rows_states), 1))
+        parts = [fields(logits_of(chunk, project)) for chunk in chunks]
         return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
     initiating_states, common_states = at_forget_positions(states, roles)

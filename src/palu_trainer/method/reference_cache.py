@@ -14,7 +14,6 @@ from palu_trainer.method.roles import TokenRole
 
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX_BYTES = 4  # vocabulary entries are kept as int32
-COMMON_FIELDS = ("indices", "common", "tail", "neg_entropy")
 
 
 @dataclass
@@ -77,17 +76,14 @@ def build_reference_cache(
         for batch in batches:
             targets = batch_targets(batch)
             cache = cache or ReferenceCache(targets.kl_direction)
-            counts = [count_positions([row_roles]) for row_roles in batch["token_roles"]]
-            common = {name: getattr(targets, name) for name in COMMON_FIELDS}
-            parts = [(cache.initiating, vars(targets.initiating_targets), 0), (cache.common, common, 1)]
-            for tables, values, kind in parts:
-                sizes = [count[kind] for count in counts]  # kind: 0 initiating, 1 common
+            sizes = zip(*(count_positions([row_roles]) for row_roles in batch["token_roles"]))
+            fields = (vars(targets.initiating_targets), vars(targets))
+            for tables, values, part_sizes in zip((cache.initiating, cache.common), fields, sizes):
                 for name, value in values.items():
-                    if value is None:
-                        continue
-                    table = tables.setdefault(name, {})
-                    for index, part in zip(batch["index"].tolist(), value.split(sizes)):
-                        table[index] = part.to("cpu", dtypes.get(name))
+                    if isinstance(value, torch.Tensor):  # not kl_direction, initiating_targets or None
+                        table = tables.setdefault(name, {})
+                        for index, part in zip(batch["index"].tolist(), value.split(list(part_sizes))):
+                            table[index] = part.to("cpu", dtypes.get(name))
     if cache is None:
         raise ValueError("the reference cache needs at least one forget batch")
     return cache
@@ -95,12 +91,10 @@ def build_reference_cache(
 
 def count_positions(roles: Iterable[torch.Tensor]) -> tuple[int, int]:
     """Initiating and common positions (tokens t ≥ 1, predicted at t-1) over rows' roles (T,)."""
-    initiating = common = 0
-    for row_roles in roles:
-        predicted = row_roles[1:]
-        initiating += int((predicted == TokenRole.INITIATING).sum())
-        common += int((predicted == TokenRole.COMMON).sum())
-    return initiating, common
+    predicted = [row_roles[1:] for row_roles in roles]
+    return tuple(
+        sum(int((p == role).sum()) for p in predicted) for role in (TokenRole.INITIATING, TokenRole.COMMON)
+    )
 
 
 def estimated_nbytes(

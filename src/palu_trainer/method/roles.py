@@ -1,8 +1,6 @@
 """Token roles: which answer tokens get the local entropy loss, the KL term, or nothing; from character
-offsets, no model. And which (B·T) rows each loss reads: position t-1 predicts token t.
-
-Shapes: B batch, T sequence length, d the width of the per-position states (hidden size, or |V| for logits).
-"""
+offsets, no model. And which (B·T) rows each loss reads: position t-1 predicts token t. Shapes: B batch, T
+sequence length, d the width of the per-position states (hidden size, or |V| for logits)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,8 +101,8 @@ def flat_rows(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def at_forget_positions(states: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """States (B, T, d) at the positions that predict initiating (M, d) and common (C, d) tokens, in one
-    selection, so that full logits get one (B·T, V) gradient."""
+    """States (B, T, d) at the positions that predict initiating (M, d) and common (C, d) tokens (one
+    `flat_rows`)."""
     initiating, common = forget_rows(roles)
     selected = flat_rows(states, torch.cat([initiating, common]))
     return selected[: len(initiating)], selected[len(initiating) :]

@@ -28,9 +28,8 @@ def per_sequence_target_logit(
     mask = predicted[:, 1:]
     target = logits[:, :-1].gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).float()
     counts = mask.sum(dim=1)
-    sums = (target * mask).sum(dim=1)
     has_tokens = counts > 0
-    return sums[has_tokens] / counts[has_tokens]
+    return (target * mask).sum(dim=1)[has_tokens] / counts[has_tokens]
 
 
 def tpo_preference_loss(
