@@ -7,24 +7,22 @@ import yaml
 
 
 def read_configs(directory: Path) -> dict[str, set[str]]:
-    """Config names a local dataset folder offers, with their splits, from its README's YAML header:
-    `data_files` as paths is the single split `train`; as `{split, path}` entries (MUSE's layout), those."""
-    return {config["config_name"]: _splits(config.get("data_files")) for config in _config_entries(directory)}
+    """Config names a local dataset folder offers, with their splits, from its README's YAML header."""
+    return {
+        config["config_name"]: set(_split_files(config.get("data_files"))) for config in _configs(directory)
+    }
 
 
 def missing_data_files(directory: Path, name: str, split: str = "train") -> list[str]:
     """The data files (or patterns) that config `name`'s `split` lists in the README but the folder lacks."""
-    for config in _config_entries(directory):
+    for config in _configs(directory):
         if config["config_name"] == name:
-            return [
-                pattern
-                for pattern in _split_files(config.get("data_files"), split)
-                if not any(directory.glob(pattern))
-            ]
+            files = _split_files(config.get("data_files")).get(split, [])
+            return [pattern for pattern in files if not any(directory.glob(pattern))]
     return []
 
 
-def _config_entries(directory: Path) -> list[dict]:
+def _configs(directory: Path) -> list[dict]:
     readme = directory / "README.md"
     if not readme.is_file():
         raise FileNotFoundError(
@@ -34,16 +32,13 @@ def _config_entries(directory: Path) -> list[dict]:
     return yaml.safe_load(header[1]).get("configs", []) if len(header) > 2 else []
 
 
-def _split_files(data_files, split: str) -> list[str]:
-    if isinstance(data_files, list) and data_files and isinstance(data_files[0], dict):
-        paths = [entry["path"] for entry in data_files if entry["split"] == split]
-        return [path for entry in paths for path in ([entry] if isinstance(entry, str) else entry)]
-    if isinstance(data_files, str):
-        return [data_files]
-    return list(data_files or [])
-
-
-def _splits(data_files) -> set[str]:
-    if isinstance(data_files, list) and data_files and isinstance(data_files[0], dict):
-        return {entry["split"] for entry in data_files}
-    return {"train"}
+def _split_files(data_files) -> dict[str, list[str]]:
+    """{split: files}: `data_files` as paths is the single split `train`; as `{split, path}` entries (MUSE's
+    layout), those."""
+    if not (isinstance(data_files, list) and data_files and isinstance(data_files[0], dict)):
+        return {"train": [data_files] if isinstance(data_files, str) else list(data_files or [])}
+    splits = {}
+    for entry in data_files:
+        paths = entry["path"]
+        splits.setdefault(entry["split"], []).extend([paths] if isinstance(paths, str) else paths)
+    return splits

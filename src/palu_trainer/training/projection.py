@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-PLAIN_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 SOFTCAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")
-PROJECTED_MODEL_TYPES = PLAIN_HEAD_MODEL_TYPES + SOFTCAPPED_MODEL_TYPES
+PROJECTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", *SOFTCAPPED_MODEL_TYPES)
 
 
 def logit_projection(model) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
@@ -31,18 +30,8 @@ def logit_projection(model) -> tuple[Callable[[torch.Tensor], torch.Tensor] | No
         return None, f"the output embeddings are a {type(head).__name__}, not a linear projection"
     if getattr(config, "pretraining_tp", 1) != 1:
         return None, f"pretraining_tp={config.pretraining_tp} splits the output projection"
-    cap = (
-        getattr(config, "final_logit_softcapping", None)
-        if config.model_type in SOFTCAPPED_MODEL_TYPES
-        else None
-    )
-    if cap is None:
-        return head, f"model_type={config.model_type}: logits are the output projection"
-
-    def softcapped(hidden: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(head(hidden) / cap) * cap
-
-    return (
-        softcapped,
-        f"model_type={config.model_type}: logits are the output projection soft-capped at {cap}",
-    )
+    cap = getattr(config, "final_logit_softcapping", None)
+    why = f"model_type={config.model_type}: logits are the output projection"
+    if cap is None or config.model_type not in SOFTCAPPED_MODEL_TYPES:
+        return head, why
+    return lambda hidden: torch.tanh(head(hidden) / cap) * cap, f"{why} soft-capped at {cap}"

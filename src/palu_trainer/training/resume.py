@@ -27,11 +27,8 @@ def checkpoint_to_resume(resume_from_checkpoint, output_dir: str, report=None) -
         for checkpoint in candidates:
             problem = checkpoint_problem(checkpoint)
             if problem is None:
-                for name, why in skipped:
-                    if report:
-                        report(
-                            f"resume_from_checkpoint=true: skipped {name}: {why}; resuming from {checkpoint}"
-                        )
+                for name, why in skipped if report else []:
+                    report(f"resume_from_checkpoint=true: skipped {name}: {why}; resuming from {checkpoint}")
                 return str(checkpoint)
             skipped.append((checkpoint.name, problem))
         raise FileNotFoundError(
@@ -107,10 +104,6 @@ def allow_numpy_rng_state() -> None:
     import numpy
     import torch
 
-    numpy_types = [
-        numpy._core.multiarray._reconstruct,
-        numpy.ndarray,
-        numpy.dtype,
-        type(numpy.dtype(numpy.uint32)),
-    ]
-    torch.serialization.add_safe_globals(numpy_types)
+    torch.serialization.add_safe_globals(
+        [numpy._core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+    )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_plan import (
     ALLOW_LOW_DISK,
     disk_space_problem,
@@ -80,11 +81,8 @@ def failed_run_problem(key: str, folder) -> str | None:
 
 
 def finite(value) -> bool:
-    if value is None:
-        return True  # no gradient norm: clipping is off (max_grad_norm=0)
-    if isinstance(value, torch.Tensor):
-        return bool(torch.isfinite(value).all())
-    return math.isfinite(value)
+    # None: no gradient norm, as clipping is off (max_grad_norm=0)
+    return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
 
 
 def rotate_checkpoints(trainer, output_dir: str) -> None:
@@ -139,7 +137,7 @@ class RunGuard:
         checks = [empty_epoch_problem, zero_learning_rate_problem, self._nonfinite_start_problem]
         for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
             if problem := check(self.trainer):
-                raise RunStopped(problem, 1, self.program)
+                raise RunStopped(problem, program=self.program)
         if self.trainer.is_world_process_zero():
             output_dir = self.trainer.args.output_dir
             (Path(output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
@@ -208,10 +206,9 @@ class RunGuard:
         )
 
     def _last_checkpoint(self, before_step: int) -> str:
-        folders = Path(self.trainer.args.output_dir).glob("checkpoint-*")
-        steps = {int(step): path for path in folders if (step := path.name.split("-")[-1]).isdigit()}
-        if earlier := [step for step in steps if step < before_step]:
-            return f" Its last checkpoint before the divergence, {steps[max(earlier)]}, has finite weights."
+        for path in checkpoints_newest_first(self.trainer.args.output_dir):
+            if int(path.name.split("-")[-1]) < before_step:
+                return f" Its last checkpoint before the divergence, {path}, has finite weights."
         return ""
 
     def _stop(self, reason: str, message: str, next_step: str):
@@ -223,8 +220,7 @@ class RunGuard:
         raise RunStopped(
             f"{message}; {output_dir} is marked failed ({FAILED_RUN_FILE}), so palu-eval refuses it. "
             f"{next_step}",
-            1,
-            self.program,
+            program=self.program,
         )
 
     def _nonfinite_weights(self, model=None) -> list[str]:
@@ -255,16 +251,15 @@ class RunGuard:
 
     def _checking_saves(self, save_model):
         def save(output_dir=None, _internal_call=False):
-            names = self._nonfinite_weights()
-            if names:
+            if names := self._nonfinite_weights():
                 self._stop_diverged(
                     f"{len(names)} weight tensor(s) hold nan or inf (e.g. {names[0]})", " before saving"
                 )
-            if _internal_call:
-                return save_model(output_dir, _internal_call)
             try:
                 return save_model(output_dir, _internal_call)
             except Exception as error:  # noqa: BLE001 (any failed save leaves a broken folder)
+                if _internal_call:  # transformers' own save (a checkpoint's): raised as it is
+                    raise
                 folder = Path(output_dir or self.trainer.args.output_dir)
                 if self.trainer.is_world_process_zero():
                     for pattern in FINISHED_LOOKING:

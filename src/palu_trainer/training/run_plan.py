@@ -1,7 +1,7 @@
 """What a built trainer is about to do, checked before its first step: how many optimizer steps it takes,
 whether any of them has a learning rate above 0, and whether its output folder can hold what it saves.
 
-Each check returns the problem's message or None; `palu-train` stops on the first (`patches.guarding`).
+Each check returns the problem's message or None; `RunGuard.check_plan` stops on the first.
 """
 
 import math
@@ -76,23 +76,12 @@ def zero_learning_rate_problem(trainer, checked_steps: int = 64) -> str | None:
         return None
     if any(rate > 0 for rate in learning_rates(trainer, steps)):
         return None
-    args = trainer.args
-    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    schedule = f"lr_scheduler_type={scheduler}, {args.get_warmup_steps(steps)} warm-up step(s)"
+    schedule = f"lr_scheduler_type={scheduler}, {trainer.args.get_warmup_steps(steps)} warm-up step(s)"
     return (
         f"every one of the run's {steps} optimizer step(s) has learning rate 0 ({schedule}: warm-up starts "
         "at 0): the run would train nothing and save the original model. Take more steps, or set "
         "trainer.args.warmup_ratio=0 and +trainer.args.warmup_steps=0"
     )
-
-
-def unique_parameters(model):
-    """Each parameter once (tied embeddings are one tensor)."""
-    return {id(parameter): parameter for parameter in model.parameters()}.values()
-
-
-def parameter_numel(parameter) -> int:
-    return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3 partitions the tensor itself
 
 
 def checkpoints_kept(trainer, steps: int) -> int:
@@ -111,15 +100,15 @@ def checkpoints_kept(trainer, steps: int) -> int:
 
 def disk_estimate(trainer) -> dict:
     """Bytes the run writes into its output folder: the final model and the checkpoints kept at once."""
-    parameters = list(unique_parameters(trainer.model))
-    model_bytes = sum(parameter_numel(p) * p.element_size() for p in parameters)
-    trainable = sum(parameter_numel(p) for p in parameters if p.requires_grad)
-    optimizer_bytes = 0
+    # each parameter once (tied embeddings are one tensor), whole (ZeRO-3 partitions the tensor itself)
+    numels = {id(p): (p, getattr(p, "ds_numel", p.numel())) for p in trainer.model.parameters()}.values()
+    model_bytes = sum(numel * p.element_size() for p, numel in numels)
+    trainable = sum(numel for p, numel in numels if p.requires_grad)
+    checkpoint_bytes = model_bytes
     if not trainer.args.save_only_model:
         per_parameter = ADAM_STATE_BYTES + (DEEPSPEED_MASTER_BYTES if trainer.is_deepspeed_enabled else 0)
-        optimizer_bytes = trainable * per_parameter
+        checkpoint_bytes += trainable * per_parameter
     kept = checkpoints_kept(trainer, optimizer_steps(trainer))
-    checkpoint_bytes = model_bytes + optimizer_bytes
     return {
         "model": model_bytes,
         "checkpoint": checkpoint_bytes,

@@ -16,6 +16,7 @@ import resource
 import time
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
 RUN_STATS_VARIABLE = "PALU_RUN_STATS"
@@ -23,8 +24,6 @@ MEMORY_CAP_VARIABLE = "PALU_CUDA_MEMORY_CAP_GIB"
 
 
 def _synchronize() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -46,8 +45,6 @@ class RunStatsCallback(TrainerCallback):
         self.step_ends.append(time.perf_counter() - self.start)
 
     def on_train_end(self, args, state, control, **kwargs):
-        import torch
-
         rank = int(os.environ.get("RANK", "0"))
         cuda = torch.cuda.is_available()
         stats = {
@@ -68,19 +65,11 @@ def with_run_stats(load_trainer):
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
-        cap_memory(os.environ.get(MEMORY_CAP_VARIABLE))
+        if (gib := os.environ.get(MEMORY_CAP_VARIABLE)) and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
         trainer, trainer_args = load_trainer(*args, **kwargs)
         trainer.add_callback(RunStatsCallback(trainer_args.output_dir))
         return trainer, trainer_args
 
     return load
-
-
-def cap_memory(gib: str | None) -> None:
-    """Let this process allocate at most `gib` GiB on its GPU (no-op without CUDA or a cap)."""
-    import torch
-
-    if not gib or not torch.cuda.is_available():
-        return
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))

@@ -41,8 +41,7 @@ def vocabulary_mismatch(tokenizer_size: int, model_size: int, tokenizer_name: st
             f"the tokenizer {tokenizer_name} has {tokenizer_size} tokens, {tokenizer_size / model_size:.0%} "
             f"of the {model_size} vocabulary rows of the model {model_name}: it is almost surely another "
             f"model's tokenizer (padding leaves a few percent unreached, below {MIN_REACHED_SHARE:.0%} is "
-            "refused); "
-            f"{fix}, or pad the tokenizer with unused tokens up to the model's size",
+            f"refused); {fix}, or pad the tokenizer with unused tokens up to the model's size",
             None,
         )
     if tokenizer_size < model_size:
