@@ -327,3 +327,13 @@ def test_term_gradient_norms_are_logged_at_logging_steps_only(make_trainer, monk
     assert abs(first["grad_norm_local"] - first["grad_norm_retain"]) - 1e-3 <= first["grad_norm"]
     assert first["grad_norm"] <= first["grad_norm_local"] + first["grad_norm_retain"] + 1e-3
     assert logged[1]["grad_norm_kl"] > 0  # the policy has moved
+
+
+def test_building_the_reference_cache_leaves_the_random_stream_alone(make_trainer):
+    """The cache is built before the first step: had it drawn from torch's global generator (a DataLoader
+    draws its seed there), every later shuffle and dropout of the run would change with it."""
+    trainer = make_trainer(top_k=64, reference_cache=True)
+    before = torch.random.get_rng_state()
+    cache = trainer._build_reference_cache(trainer.model)
+    assert len(cache.initiating["topk_indices"]) == len(trainer.train_dataset.forget)
+    assert torch.equal(torch.random.get_rng_state(), before)

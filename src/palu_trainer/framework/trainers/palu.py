@@ -3,7 +3,6 @@
 import logging
 
 import torch
-from torch.utils.data import DataLoader
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.lora import adapters_disabled, base_model
@@ -176,8 +175,12 @@ class PALUTrainer(GuardedGradDiff):
                 f"{self.state.global_step}: resume through train(resume_from_checkpoint=...), which builds "
                 "it first, or with reference_cache=false"
             )
-        forget = DataLoader(
-            self.train_dataset.forget, self.args.per_device_train_batch_size, collate_fn=self.data_collator
+        # batches by hand: a DataLoader draws its seed from torch's global generator, which would shift the
+        # run's random stream (every later shuffle and dropout) by building the cache
+        forget, size = self.train_dataset.forget, self.args.per_device_train_batch_size
+        collated = (
+            self.data_collator([forget[i] for i in range(start, min(start + size, len(forget)))])
+            for start in range(0, len(forget), size)
         )
 
         def targets(batch):  # the weights before unlearning, in the cache's top-m form
@@ -187,7 +190,7 @@ class PALUTrainer(GuardedGradDiff):
         was_training = model.training
         model.eval()
         with adapters_disabled(self.accelerator.unwrap_model(model)):  # a LoRA run's reference: the base
-            batches = map(self._prepare_inputs, forget)
+            batches = map(self._prepare_inputs, collated)
             cache = build_reference_cache(targets, batches, self.reference_cache_dtype)
         model.train(was_training)
         logger.info(describe(cache, self.objective.top_k, self.reference_cache_dtype))
