@@ -108,8 +108,12 @@ def bad_places(tmp_path_factory):
         ),
         (
             ["data.forget.TOFU_QA_forget_spans.args.max_length=0"],
-            r"data\.forget\.TOFU_QA_forget_spans\.args\.max_length=0: tokens kept per row must be an "
-            r"integer >= 1",
+            r"data\.forget\.TOFU_QA_forget_spans\.args\.max_length=0: must be an integer >= 1 \(tokens "
+            r"kept per row or chunk; 0 does not mean 'no truncation'",
+        ),
+        (
+            ["min_initiating_tokens=abc"],
+            r"TOFU_QA_forget_spans\.args\.min_initiating_tokens='abc': give auto",
         ),
         (["data.retain.TOFU_QA_retain.args.max_length=-5"], r"TOFU_QA_retain\.args\.max_length=-5"),
         (["initiating_ratio=0.25"], r"initiating_ratio=0\.25 has no effect with initiating_strategy=first_n"),

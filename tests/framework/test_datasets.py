@@ -303,7 +303,9 @@ def test_min_initiating_tokens_counts_the_whole_forget_set(tmp_path, tokenizer):
         AnnotationError, match="6 initiating tokens in 3 forget rows, fewer than min_initiating_tokens=7"
     ):
         span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, n=1, min_initiating_tokens=7)
-    with pytest.raises(ValueError, match="min_initiating_tokens must be auto or an integer >= 0"):
+    with pytest.raises(
+        ValueError, match=r"min_initiating_tokens='none': give auto \(one per 10 forget rows\) or an"
+    ):
         span_dataset(tmp_path, tokenizer, TAG_TEMPLATE, min_initiating_tokens="none")
 
 

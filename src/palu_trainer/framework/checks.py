@@ -16,7 +16,7 @@ from pydantic import create_model
 from transformers import TrainerCallback
 from transformers.utils import ADAPTER_CONFIG_NAME
 
-from palu_trainer.framework.datasets import check_max_length
+from palu_trainer.framework.datasets import DatasetArguments
 from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
@@ -265,15 +265,14 @@ def trainer_data_problem(cfg, script) -> str | None:
     )
 
 
-def max_length_problem(cfg, script) -> str | None:
+def dataset_arguments_problem(cfg, script) -> str | None:
+    """A dataset's `max_length` or `min_initiating_tokens` its loading would refuse."""
     for group, datasets in (OmegaConf.select(cfg, "data") or {}).items():
         for name, dataset in datasets.items() if isinstance(datasets, DictConfig) else ():
             args = dataset.get("args") if isinstance(dataset, DictConfig) else None
-            if args is not None and "max_length" in args:
-                try:
-                    check_max_length(args.max_length)
-                except ValueError as error:
-                    return f"data.{group}.{name}.args.{error}"
+            checked = {key: args[key] for key in DatasetArguments.model_fields if args and key in args}
+            if problem := DatasetArguments.problem(checked, f"data.{group}.{name}.args."):
+                return problem
     return None
 
 
@@ -319,7 +318,7 @@ CONFIG_CHECKS = (
     (("train",), method_args_problem),
     (("train",), forget_weight_problem),
     (("train",), trainer_data_problem),
-    (("train",), max_length_problem),
+    (("train",), dataset_arguments_problem),
     (("train",), initiating_problem),
     (("train", "eval"), peft_problem),
 )

@@ -6,6 +6,7 @@ import math
 
 import tokenizers
 import torch
+from pydantic import ConfigDict
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
@@ -17,6 +18,7 @@ from palu_trainer.spans.format import (
     word_cut_warning,
 )
 from palu_trainer.training.run_guard import RunStopped
+from palu_trainer.validation import Checked, Integer, Options
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402
@@ -27,13 +29,26 @@ from data.utils import IGNORE_INDEX, load_hf_dataset  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def check_max_length(max_length) -> None:
-    """`max_length` of a dataset: tokens kept per row or chunk, an integer >= 1 (0 is not "no truncation")."""
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(
-            f"max_length={max_length!r}: tokens kept per row must be an integer >= 1 (0 does not mean 'no "
-            "truncation'); give the longest row's length or more, e.g. the default 512"
-        )
+def initiating_minimum(value):
+    if value == "auto" or (type(value) is int and value >= 0):
+        return value
+    raise ValueError(
+        "give auto (one per 10 forget rows) or an integer >= 0 (0: train whatever the spans give)"
+    )
+
+
+class DatasetArguments(Options):
+    """The dataset `args` this plugin checks, before loading (`checks.CONFIG_CHECKS`) and in its datasets."""
+
+    model_config = ConfigDict(extra="ignore")  # the framework's own arguments
+    OWNER = "a dataset"
+
+    max_length: Integer(
+        "tokens kept per row or chunk; 0 does not mean 'no truncation': give the longest row's length or "
+        "more, e.g. the default 512",
+        ge=1,
+    ) = 512
+    min_initiating_tokens: Checked("stop below this many initiating tokens", initiating_minimum) = "auto"
 
 
 class SpanRoles:
@@ -93,8 +108,6 @@ class SpanRoles:
         source, found = "set", counts["n_initiating"]
         if minimum == "auto":
             minimum, source = math.ceil(len(self.items) / 10), "auto: one per 10 forget rows"
-        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
-            raise ValueError(f"min_initiating_tokens must be auto or an integer >= 0, got {minimum!r}")
         logger.info("min_initiating_tokens=%d (%s); the forget set has %d", minimum, source, found)
         if found < minimum:
             raise AnnotationError(
@@ -115,7 +128,7 @@ class QAwithSpansDataset(SpanRoles, QADataset):
 
     def __init__(self, span_annotations, min_initiating_tokens="auto", *args, **kwargs):
         policy = InitiatingOptions.take(kwargs).policy()
-        check_max_length(kwargs.get("max_length", 512))
+        DatasetArguments.parse({**kwargs, "min_initiating_tokens": min_initiating_tokens})
         super().__init__(*args, **kwargs)
         if self.fs_data is not None or self.predict_with_generate:
             raise ValueError("QAwithSpansDataset serves training rows only: no few-shot, no generation")
@@ -191,7 +204,7 @@ class PretrainingWithSpansDataset(SpanRoles, PretrainingDataset):
         self, span_annotations, min_initiating_tokens="auto", text_key="text", max_length=2048, **kwargs
     ):
         policy = InitiatingOptions.take(kwargs).policy()
-        check_max_length(max_length)
+        DatasetArguments.parse({"max_length": max_length, "min_initiating_tokens": min_initiating_tokens})
         super().__init__(text_key=text_key, max_length=max_length, **kwargs)
         texts = list(load_hf_dataset(**kwargs["hf_args"])[text_key])
         self._read_spans(span_annotations, policy, texts, field=text_key)
