@@ -16,10 +16,8 @@ from palu_trainer.framework.lora import (
     LoraSettings,
     adapter_problem,
     add_adapters,
-    reference_without_copy,
-    saving_merged,
 )
-from palu_trainer.framework.patches import merging_adapter_checkpoints
+from palu_trainer.framework.patches import merging_adapter_checkpoints, reference_without_copy, saving_merged
 
 from ..conftest import tied_and_untied_models
 from .test_bad_inputs import QUICK_RUN, run

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from palu_trainer.framework.trainers.guarded import protect_run
 from palu_trainer.training.run_guard import (
     FAILED_RUN_FILE,
     RunGuard,
@@ -35,11 +34,12 @@ def sigterm_handler_restored():
 
 
 def guarded(trainer):
-    """PALU's trainer guards itself (so does TPO's): no wrapper attaches it, and it is attached once."""
+    """PALU's trainer guards itself (so does TPO's): its own methods call the guard, one callback of its
+    own; no wrapper replaces a method on the instance."""
     assert isinstance(trainer.run_guard, RunGuard)
-    training_step = trainer.training_step
-    protect_run(trainer, ["--config-name=unlearn.yaml", "task_name=t"])
-    assert trainer.training_step is training_step
+    guards = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, RunGuard)]
+    assert guards == [trainer.run_guard]
+    assert not {"training_step", "save_model", "_save_checkpoint", "train"} & set(vars(trainer))
     return trainer
 
 

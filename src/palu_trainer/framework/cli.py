@@ -10,12 +10,7 @@ from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-from palu_trainer.framework.patches import (
-    averaging_accumulated_losses,
-    guarding,
-    patch_framework_script,
-    resuming,
-)
+from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
 from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
@@ -85,7 +80,6 @@ def run_framework_script(script: str, config_name: str) -> None:
     """Run the framework's `script` (train | eval) on `sys.argv` with `config_name`, as its entry point."""
     import hydra
     import torch
-    from hydra._internal.hydra import Hydra
     from hydra.core.hydra_config import HydraConfig
 
     prog = Path(sys.argv[0]).name
@@ -93,9 +87,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         print(USAGE.format(prog=prog, script=script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
-    argv = sys.argv[1:]  # before Hydra: for the resume command a preempted run prints
-    from palu_trainer.training.run_stats import RUN_STATS_VARIABLE, with_run_stats
-
+    argv = sys.argv[1:]
     src = ensure_importable()
     refuse(prog, stack_problem(src))
     register()
@@ -104,10 +96,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         if script == "train":
             # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
             refuse(prog, take_output_folder(composed.paths.output_dir))
-        # Hydra 1.3 composes the whole config twice per run, once only to read `hydra.mode`: the precheck's
-        # composition holds that value, one composition (2 to 4 s) fewer per launch
-        if hasattr(Hydra, "get_mode"):
-            Hydra.get_mode = lambda self, config_name, overrides, mode=composed.hydra.mode: mode
+        composing_once(composed.hydra.mode)
     from palu_trainer.framework import checks
 
     module = importlib.import_module(script)
@@ -139,15 +128,7 @@ def run_framework_script(script: str, config_name: str) -> None:
             warning = checkpoint and checks.mid_epoch_warning(checkpoint)
             if warning:
                 logger.warning(warning)
-            # module.load_trainer as patch_framework_script wrapped it (LoRA, the options record)
-            module.load_trainer = guarding(
-                averaging_accumulated_losses(
-                    resuming(module.load_trainer, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
-                ),
-                argv,
-            )
-            if os.environ.get(RUN_STATS_VARIABLE):  # make gpu-check: step times and peak memory
-                module.load_trainer = with_run_stats(module.load_trainer)
+            patch_palu_train_script(module, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
         try:
             module.main.__wrapped__(cfg)  # the framework's main, without its own hydra.main
             release_process_group()

@@ -2,7 +2,6 @@
 reference the model with its adapters disabled (no second copy), the final save merged with the adapter."""
 
 import contextlib
-import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -155,28 +154,6 @@ class AdaptersDisabled:
         return getattr(self.model, name)
 
 
-@contextlib.contextmanager
-def reference_without_copy():
-    """While a trainer is built inside this block, the framework's `GradDiff._prepare_ref_model` (which every
-    method with a reference calls, PALU's and TPO's included) returns an adapted model's `AdaptersDisabled`
-    instead of a deep copy."""
-    from trainer.unlearn.grad_diff import GradDiff
-
-    prepare = GradDiff._prepare_ref_model
-
-    def prepare_reference(self, model):
-        if not is_adapted(model):
-            return prepare(self, model)
-        logger.info("reference: the model with its LoRA adapters disabled (no second copy)")
-        return AdaptersDisabled(model)
-
-    GradDiff._prepare_ref_model = prepare_reference
-    try:
-        yield
-    finally:
-        GradDiff._prepare_ref_model = prepare
-
-
 def merged_state_dict(state_dict: dict, model) -> dict:
     """The base model's state dict with every adapter merged into its layer: W + (alpha/r)·B·A.
     `state_dict` is the peft model's, full (gathered under ZeRO-3); `model` the peft model (where its
@@ -201,65 +178,6 @@ def merged_state_dict(state_dict: dict, model) -> dict:
     return merged
 
 
-def without_empty_parameter_groups(trainer):
-    """`trainer.create_optimizer`, whose optimizer keeps only parameter groups with trainable parameters.
-
-    With LoRA the Trainer's group of parameters without weight decay is empty (every adapter is a weight
-    matrix). DeepSpeed's ZeRO-3 optimizer drops empty groups while the learning rate scheduler keeps one rate
-    per group: its first step failed with "zip() argument 2 is longer than argument 1".
-    """
-    create_optimizer = trainer.create_optimizer
-
-    @functools.wraps(create_optimizer)
-    def create():
-        optimizer = create_optimizer()
-        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
-        return optimizer
-
-    trainer.create_optimizer = create
-    return trainer
-
-
-def keeping_frozen_weights_through_recompute() -> None:
-    """Make ZeRO-3 keep a LoRA run's small frozen weights gathered while a checkpointed block is recomputed.
-
-    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, not behind
-    DeepSpeed's linear function) by reference; ZeRO-3's post-forward hook frees them in place and the backward
-    finds them empty: "Recomputed values ... have different metadata ... torch.Size([0])" on the first step
-    (fixed after DeepSpeed 0.19; the framework pins 0.15.4). Only weights ZeRO-3 already keeps (below
-    `stage3_param_persistence_threshold`, 10 x hidden by default: the norms) are kept: no memory is lost.
-    """
-    from deepspeed.runtime.zero.partitioned_param_coordinator import (
-        PartitionedParameterCoordinator,
-        iter_params,
-    )
-    from deepspeed.utils import z3_leaf_module
-
-    release = PartitionedParameterCoordinator.release_sub_module
-    if getattr(release, "keeps_frozen_weights", False):
-        return
-
-    @functools.wraps(release)
-    def release_sub_module(self, submodule, *args, **kwargs):
-        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass: no recompute
-            return release(self, submodule, *args, **kwargs)
-        kept = [
-            parameter
-            for parameter in iter_params(submodule, recurse=z3_leaf_module(submodule))
-            if parameter.ds_persist and not parameter.requires_grad and not parameter.is_external_param
-        ]
-        for parameter in kept:  # the release loop leaves external parameters gathered
-            parameter.is_external_param = True
-        try:
-            return release(self, submodule, *args, **kwargs)
-        finally:
-            for parameter in kept:
-                parameter.is_external_param = False
-
-    release_sub_module.keeps_frozen_weights = True
-    PartitionedParameterCoordinator.release_sub_module = release_sub_module
-
-
 def adapter_checkpoint_base(path) -> str | None:
     """The base model named in a LoRA run's checkpoint (a folder with the adapter and no model); None for any
     other folder or name. ValueError when its adapter_config.json cannot be read or names no base."""
@@ -279,31 +197,3 @@ def adapter_checkpoint_base(path) -> str | None:
             "which holds the merged weights, or set it to the model the run started from"
         )
     return base
-
-
-def saving_merged(trainer):
-    """`trainer.save_model`, whose final save (not a checkpoint's) writes the merged weights and the tokenizer
-    to the output folder and the adapter to `adapter/` beside them."""
-    save_model = trainer.save_model
-
-    @functools.wraps(save_model)
-    def save(output_dir=None, _internal_call=False):
-        if _internal_call:  # a checkpoint: transformers' own (the adapter, the optimizer state)
-            return save_model(output_dir, _internal_call)
-        output_dir = Path(output_dir or trainer.args.output_dir)
-        wrapped = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
-        state = trainer.accelerator.get_state_dict(wrapped)  # gathered on every rank's call under ZeRO-3
-        if not trainer.args.should_save:
-            return None
-        adapted = trainer.accelerator.unwrap_model(trainer.model)
-        adapted.save_pretrained(output_dir / ADAPTER_DIR, state_dict=state)
-        base_model(adapted).save_pretrained(output_dir, state_dict=merged_state_dict(state, adapted))
-        tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(output_dir)
-        torch.save(trainer.args, output_dir / "training_args.bin")
-        logger.info("merged weights saved to %s, the LoRA adapter to %s", output_dir, ADAPTER_DIR)
-        return None
-
-    trainer.save_model = save
-    return trainer

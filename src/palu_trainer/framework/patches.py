@@ -1,8 +1,16 @@
-"""The framework's loaders (`get_model`, `get_data`, `load_trainer`) wrapped: `patch_framework_script` for
-every run; `resuming`, `averaging_accumulated_losses` and `guarding` by palu-train, for the stock trainers."""
+"""Every change this plugin makes at run time to the framework's or a library's behaviour: the one place
+that patches (docs/layout.md). `patch_framework_script` wraps the framework script's loaders (`get_model`,
+`get_data`, `load_trainer`) in every run, under src/train.py as under palu-train; `patch_palu_train_script`
+adds what only palu-train does (resuming, the loss average and the guard for the stock trainers, run stats).
+Each patch says what needs it; `INTERFACES` lists what they rely on, which tests/framework/test_patches.py
+checks on every tested stack.
+"""
 
+import contextlib
 import functools
 import logging
+import os
+from pathlib import Path
 
 import torch
 from omegaconf import open_dict
@@ -14,6 +22,28 @@ from palu_trainer.training.run_guard import RunStopped
 logger = logging.getLogger(__name__)
 
 PATCHED = "palu_trainer_patched"  # set on a framework script's module once its loaders are wrapped
+
+# (what is patched, overridden or called, the leading parameters relied on): the framework's as at d3d7cf9,
+# 4ad738a and c3301d8, transformers' 4.45 to 5.5, DeepSpeed's 0.15 to 0.18, Hydra's 1.3
+INTERFACES = (
+    ("model.get_model", ("model_cfg",)),
+    ("data.get_data", ("data_cfg", "mode")),
+    ("trainer.load_trainer", ("trainer_cfg", "model", "train_dataset")),  # then tokenizer or processing_class
+    ("trainer.TRAINER_REGISTRY", None),
+    ("trainer.unlearn.grad_diff.GradDiff._prepare_ref_model", ("self", "model")),
+    ("transformers.Trainer.create_optimizer", ("self",)),
+    ("transformers.Trainer.training_step", ("self", "model", "inputs")),
+    ("transformers.Trainer.save_model", ("self", "output_dir", "_internal_call")),
+    ("transformers.Trainer._save_checkpoint", ("self", "model", "trial")),
+    ("transformers.Trainer._get_output_dir", ("self", "trial")),
+    ("transformers.TrainerCallback.on_pre_optimizer_step", ("self", "args", "state", "control")),
+    (
+        "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator"
+        ".release_sub_module",
+        ("self", "submodule"),
+    ),
+    ("hydra._internal.hydra.Hydra.get_mode", ("self", "config_name", "overrides")),
+)
 
 
 def loader_wrapper(step):
@@ -109,15 +139,40 @@ def averaging_accumulated_losses(trainer, trainer_args):
     return trainer, trainer_args
 
 
-@loader_wrapper
-def guarding(trainer, trainer_args, argv: list[str]):
-    """A guarded trainer (`protect_run`; PALU's and TPO's guard themselves): the stock trainers
-    under palu-train too."""
-    from palu_trainer.framework.trainers.guarded import protect_run
+def guarding_stock_trainers() -> None:
+    """The framework's registered trainers (NPO, SimNPO, GradDiff, finetune's, ...) built as
+    `GuardedTrainer`s, as PALU's and TPO's are: palu-train's run guard for the stock methods, which the
+    framework's own train.py runs unguarded."""
+    from trainer import TRAINER_REGISTRY
 
-    if trainer_args.do_train:
-        protect_run(trainer, argv)
+    from palu_trainer.framework.trainers.guarded import GuardedTrainer
+
+    for name, trainer_class in list(TRAINER_REGISTRY.items()):
+        if not issubclass(trainer_class, GuardedTrainer):
+            attributes = {"__module__": trainer_class.__module__, "__doc__": trainer_class.__doc__}
+            TRAINER_REGISTRY[name] = type(trainer_class.__name__, (GuardedTrainer, trainer_class), attributes)
+
+
+@loader_wrapper
+def with_run_stats(trainer, trainer_args):
+    """A trainer with a `RunStatsCallback` on its output folder (make gpu-check: step times, peak memory),
+    its process's CUDA memory capped at `PALU_CUDA_MEMORY_CAP_GIB` if set."""
+    from palu_trainer.training.run_stats import MEMORY_CAP_VARIABLE, RunStatsCallback
+
+    if (gib := os.environ.get(MEMORY_CAP_VARIABLE)) and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
+    trainer.add_callback(RunStatsCallback(trainer_args.output_dir))
     return trainer, trainer_args
+
+
+def composing_once(mode) -> None:
+    """Hydra 1.3 composes the whole config twice per run, once only to read `hydra.mode`: palu-train's
+    precheck composition holds that value, one composition (2 to 4 s) fewer per launch."""
+    from hydra._internal.hydra import Hydra
+
+    if hasattr(Hydra, "get_mode"):
+        Hydra.get_mode = lambda self, config_name, overrides, mode=mode: mode
 
 
 def merging_adapter_checkpoints(get_model):
@@ -163,15 +218,126 @@ def training_with_adapters(load_trainer):
 
     @functools.wraps(load_trainer)
     def load(*args, **kwargs):
-        with lora.reference_without_copy():
+        with reference_without_copy():
             trainer, trainer_args = load_trainer(*args, **kwargs)
         # the stock methods too: reentrant checkpointing gives ZeRO-3 two gradients per parameter and step
         use_non_reentrant_checkpointing(trainer.args)
         if trainer.is_deepspeed_enabled and trainer.args.gradient_checkpointing:
-            lora.keeping_frozen_weights_through_recompute()
-        return lora.saving_merged(lora.without_empty_parameter_groups(trainer)), trainer_args
+            keeping_frozen_weights_through_recompute()
+        return saving_merged(without_empty_parameter_groups(trainer)), trainer_args
 
     return load
+
+
+@contextlib.contextmanager
+def reference_without_copy():
+    """While a trainer is built inside this block, the framework's `GradDiff._prepare_ref_model` (which every
+    method with a reference calls, PALU's and TPO's included) returns an adapted model's `AdaptersDisabled`
+    instead of a deep copy."""
+    from trainer.unlearn.grad_diff import GradDiff
+
+    prepare = GradDiff._prepare_ref_model
+
+    def prepare_reference(self, model):
+        if not lora.is_adapted(model):
+            return prepare(self, model)
+        logger.info("reference: the model with its LoRA adapters disabled (no second copy)")
+        return lora.AdaptersDisabled(model)
+
+    GradDiff._prepare_ref_model = prepare_reference
+    try:
+        yield
+    finally:
+        GradDiff._prepare_ref_model = prepare
+
+
+def without_empty_parameter_groups(trainer):
+    """`trainer.create_optimizer`, whose optimizer keeps only parameter groups with trainable parameters.
+
+    With LoRA the Trainer's group of parameters without weight decay is empty (every adapter is a weight
+    matrix). DeepSpeed's ZeRO-3 optimizer drops empty groups while the learning rate scheduler keeps one rate
+    per group: its first step failed with "zip() argument 2 is longer than argument 1".
+    """
+    create_optimizer = trainer.create_optimizer
+
+    @functools.wraps(create_optimizer)
+    def create():
+        optimizer = create_optimizer()
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+        return optimizer
+
+    trainer.create_optimizer = create
+    return trainer
+
+
+def keeping_frozen_weights_through_recompute() -> None:
+    """Make ZeRO-3 keep a LoRA run's small frozen weights gathered while a checkpointed block is recomputed.
+
+    torch's non-reentrant checkpoint holds the frozen weights the recompute saves (RMSNorm's, not behind
+    DeepSpeed's linear function) by reference; ZeRO-3's post-forward hook frees them in place and the backward
+    finds them empty: "Recomputed values ... have different metadata ... torch.Size([0])" on the first step
+    (fixed after DeepSpeed 0.19; the framework pins 0.15.4). Only weights ZeRO-3 already keeps (below
+    `stage3_param_persistence_threshold`, 10 x hidden by default: the norms) are kept: no memory is lost.
+    """
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator,
+        iter_params,
+    )
+    from deepspeed.utils import z3_leaf_module
+
+    release = PartitionedParameterCoordinator.release_sub_module
+    if getattr(release, "keeps_frozen_weights", False):
+        return
+
+    @functools.wraps(release)
+    def release_sub_module(self, submodule, *args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass: no recompute
+            return release(self, submodule, *args, **kwargs)
+        kept = [
+            parameter
+            for parameter in iter_params(submodule, recurse=z3_leaf_module(submodule))
+            if parameter.ds_persist and not parameter.requires_grad and not parameter.is_external_param
+        ]
+        for parameter in kept:  # the release loop leaves external parameters gathered
+            parameter.is_external_param = True
+        try:
+            return release(self, submodule, *args, **kwargs)
+        finally:
+            for parameter in kept:
+                parameter.is_external_param = False
+
+    release_sub_module.keeps_frozen_weights = True
+    PartitionedParameterCoordinator.release_sub_module = release_sub_module
+
+
+def saving_merged(trainer):
+    """`trainer.save_model`, whose final save (not a checkpoint's) writes the merged weights and the tokenizer
+    to the output folder and the adapter to `adapter/` beside them."""
+    save_model = trainer.save_model
+
+    @functools.wraps(save_model)
+    def save(output_dir=None, _internal_call=False):
+        if _internal_call:  # a checkpoint: transformers' own (the adapter, the optimizer state)
+            return save_model(output_dir, _internal_call)
+        output_dir = Path(output_dir or trainer.args.output_dir)
+        wrapped = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+        state = trainer.accelerator.get_state_dict(wrapped)  # gathered on every rank's call under ZeRO-3
+        if not trainer.args.should_save:
+            return None
+        adapted = trainer.accelerator.unwrap_model(trainer.model)
+        adapted.save_pretrained(output_dir / lora.ADAPTER_DIR, state_dict=state)
+        lora.base_model(adapted).save_pretrained(
+            output_dir, state_dict=lora.merged_state_dict(state, adapted)
+        )
+        tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(trainer.args, output_dir / "training_args.bin")
+        logger.info("merged weights saved to %s, the LoRA adapter to %s", output_dir, lora.ADAPTER_DIR)
+        return None
+
+    trainer.save_model = save
+    return trainer
 
 
 @loader_wrapper
@@ -216,3 +382,16 @@ def patch_framework_script(module, cfg) -> None:
     if training:
         module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
         module.load_trainer = recording_options(module.load_trainer, cfg)
+
+
+def patch_palu_train_script(module, checkpoint: str | None, allow_other_data: bool) -> None:
+    """What palu-train adds to train.py (`module`) beyond `patch_framework_script`: resuming from
+    `checkpoint`, the loss averaged per micro-batch and the run guard for the stock trainers, run stats."""
+    from palu_trainer.training.run_stats import RUN_STATS_VARIABLE
+
+    guarding_stock_trainers()
+    module.load_trainer = averaging_accumulated_losses(
+        resuming(module.load_trainer, checkpoint, allow_other_data)
+    )
+    if os.environ.get(RUN_STATS_VARIABLE):
+        module.load_trainer = with_run_stats(module.load_trainer)

@@ -4,8 +4,9 @@ writes a resumable checkpoint and exits with 128 + the signal; `training.run_pla
 step. PALU's and TPO's trainers attach it themselves (`framework.trainers.guarded.protect_run`), so it
 holds under the framework's own `src/train.py`; palu-train attaches it to the stock trainers too.
 
-The checks hook into the trainer instance, so they hold for every trainer. Under several processes each
-step's verdict is agreed by one all-reduce, so all ranks stop together.
+The guarded trainer's own methods (`training_step`, `save_model`, `_save_checkpoint`, `train`) call the
+guard's hooks, and the guard is a callback of the trainer for each step's verdict. Under several processes
+that verdict is agreed by one all-reduce, so all ranks stop together.
 """
 
 import json
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_plan import (
@@ -85,6 +87,19 @@ def finite(value) -> bool:
     return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
 
 
+def gradient_norm(trainer) -> float | None:
+    """The gradient norm of the optimizer step about to be taken, whether or not the run clips: DeepSpeed's
+    engine has stepped already and holds it; else the parameters' gradients give it."""
+    if trainer.is_deepspeed_enabled:
+        return float(trainer.deepspeed.get_global_grad_norm())
+    norms = [
+        torch.linalg.vector_norm(parameter.grad, dtype=torch.float32)
+        for parameter in trainer.model.parameters()
+        if parameter.grad is not None
+    ]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
+
+
 def rotate_checkpoints(trainer, output_dir: str) -> None:
     """Delete `output_dir`'s oldest checkpoints beyond `save_total_limit`, as the Trainer does after a save:
     its method `_rotate_checkpoints` up to transformers 4.x, the function `trainer_utils.rotate_checkpoints`
@@ -101,9 +116,10 @@ def rotate_checkpoints(trainer, output_dir: str) -> None:
     )
 
 
-class RunGuard:
-    """Installs the checks on `trainer`; `argv` is the run's command line after `command`, for the resume
-    command. An override `allow_low_disk_space=true` skips the disk check."""
+class RunGuard(TrainerCallback):
+    """The guard of `trainer`, a `GuardedTrainer` (framework/trainers/guarded.py), whose own methods call its
+    hooks; a callback for the step's verdict. `argv` is the run's command line after `command`, for the
+    resume command. An override `allow_low_disk_space=true` skips the disk check."""
 
     def __init__(self, trainer, argv: list[str], command: list[str]):
         self.trainer = trainer
@@ -114,13 +130,11 @@ class RunGuard:
             arg.lstrip("+~").lower() in (f"{ALLOW_LOW_DISK}=true", f"{ALLOW_LOW_DISK}=1") for arg in argv
         )
         self.nonfinite_loss = None  # (step, loss, terms) of this rank's first non-finite micro-batch
+        self.grad_norm = None  # this optimizer step's
         self.preempted_by: signal.Signals | None = None  # the first SIGTERM or SIGINT this process got
         self.stopping_for_preemption = False
-        trainer.training_step = self._checking_losses(trainer.training_step)
-        trainer._maybe_log_save_evaluate = self._checking_steps(trainer._maybe_log_save_evaluate)
-        trainer.save_model = self._checking_saves(trainer.save_model)
-        trainer._save_checkpoint = self._removing_failed_checkpoints(trainer._save_checkpoint)
-        trainer.train = self._reporting_preemption(trainer.train)
+        self.staging: Path | None = None  # where the checkpoint being saved is written
+        trainer.add_callback(self)
 
     def _on_preemption(self, signum, frame):
         if self.preempted_by == signal.SIGINT and signum == signal.SIGINT:
@@ -146,15 +160,14 @@ class RunGuard:
 
     # -- divergence ---------------------------------------------------------------------------------------
 
-    def _checking_losses(self, training_step):
-        def step(*args, **kwargs):
-            loss = training_step(*args, **kwargs)
-            if self.nonfinite_loss is None and not finite(loss):
-                terms = dict(getattr(self.trainer, "last_terms", {}))
-                self.nonfinite_loss = (self.trainer.state.global_step + 1, float(loss), terms)
-            return loss
+    def record_loss(self, loss) -> None:
+        """The guarded trainer's `training_step` reports each micro-batch's loss."""
+        if self.nonfinite_loss is None and not finite(loss):
+            terms = dict(getattr(self.trainer, "last_terms", {}))
+            self.nonfinite_loss = (self.trainer.state.global_step + 1, float(loss), terms)
 
-        return step
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grad_norm = gradient_norm(self.trainer)
 
     def _agreed(self, *flags: bool) -> list[bool]:
         """`flags` OR-ed over all processes (one all-reduce), so every rank takes the same branch."""
@@ -164,21 +177,17 @@ class RunGuard:
         tensor = torch.tensor([float(flag) for flag in flags], device=accelerator.device)
         return [bool(value) for value in accelerator.reduce(tensor, reduction="sum").cpu() > 0]
 
-    def _checking_steps(self, log_save_evaluate):
-        def step_end(*args, **kwargs):
-            grad_norm = args[1] if len(args) > 1 else kwargs.get("grad_norm")
-            diverged, preempted = self._agreed(
-                self.nonfinite_loss is not None or not finite(grad_norm), self.preempted_by is not None
-            )
-            if diverged:
-                self._stop_diverged(self._what_diverged(grad_norm))
-            if preempted and not self.stopping_for_preemption:
-                self.stopping_for_preemption = True
-                self.trainer.control.should_save = self.trainer.control.should_training_stop = True
-                self.trainer.args.save_only_model = False  # the checkpoint must resume: optimizer state too
-            return log_save_evaluate(*args, **kwargs)
-
-        return step_end
+    def on_step_end(self, args, state, control, **kwargs):
+        diverged, preempted = self._agreed(
+            self.nonfinite_loss is not None or not finite(self.grad_norm), self.preempted_by is not None
+        )
+        if diverged:
+            self._stop_diverged(self._what_diverged(self.grad_norm))
+        if preempted and not self.stopping_for_preemption:
+            self.stopping_for_preemption = True
+            control.should_save = control.should_training_stop = True
+            args.save_only_model = False  # the checkpoint must resume: optimizer state too
+        return control
 
     def _what_diverged(self, grad_norm) -> str:
         if self.nonfinite_loss is None:
@@ -249,106 +258,100 @@ class RunGuard:
 
     # -- saves ----------------------------------------------------------------------------------------------
 
-    def _checking_saves(self, save_model):
-        def save(output_dir=None, _internal_call=False):
-            if names := self._nonfinite_weights():
-                self._stop_diverged(
-                    f"{len(names)} weight tensor(s) hold nan or inf (e.g. {names[0]})", " before saving"
-                )
-            try:
-                return save_model(output_dir, _internal_call)
-            except Exception as error:  # noqa: BLE001 (any failed save leaves a broken folder)
-                if _internal_call:  # transformers' own save (a checkpoint's): raised as it is
-                    raise
-                folder = Path(output_dir or self.trainer.args.output_dir)
-                if self.trainer.is_world_process_zero():
-                    for pattern in FINISHED_LOOKING:
-                        for path in folder.glob(pattern):
-                            path.unlink()
-                self._stop(
-                    "final save failed",
-                    f"saving the final model to {folder} failed after training: {error}. Its partial files "
-                    "were removed",
-                    "Free space on its filesystem (or choose another paths.output_dir) and run again.",
-                )
+    def save_final(self, save_model, output_dir=None, _internal_call=False):
+        """The guarded trainer's `save_model`: no weights with nan or inf saved, and a failed final save's
+        partial files removed."""
+        if names := self._nonfinite_weights():
+            self._stop_diverged(
+                f"{len(names)} weight tensor(s) hold nan or inf (e.g. {names[0]})", " before saving"
+            )
+        try:
+            return save_model(output_dir, _internal_call)
+        except Exception as error:  # noqa: BLE001 (any failed save leaves a broken folder)
+            if _internal_call:  # transformers' own save (a checkpoint's): raised as it is
+                raise
+            folder = Path(output_dir or self.trainer.args.output_dir)
+            if self.trainer.is_world_process_zero():
+                for pattern in FINISHED_LOOKING:
+                    for path in folder.glob(pattern):
+                        path.unlink()
+            self._stop(
+                "final save failed",
+                f"saving the final model to {folder} failed after training: {error}. Its partial files "
+                "were removed",
+                "Free space on its filesystem (or choose another paths.output_dir) and run again.",
+            )
 
-        return save
-
-    def _removing_failed_checkpoints(self, save_checkpoint):
-        """`_save_checkpoint` writing whole checkpoints or none: each is written into `STAGING_DIR` and
-        renamed into the output folder once every rank has written its part, so a kill during a save leaves
-        no half `checkpoint-N` for `resume_from_checkpoint=true` to pick; a failed save is removed."""
+    def save_checkpoint(self, save_checkpoint, *args, **kwargs):
+        """The guarded trainer's `_save_checkpoint`, writing whole checkpoints or none: each is written into
+        `STAGING_DIR` (the trainer's `_get_output_dir` gives `self.staging`) and renamed into the output
+        folder once every rank has written its part, so a kill during a save leaves no half `checkpoint-N`
+        for `resume_from_checkpoint=true` to pick; a failed save is removed."""
         trainer = self.trainer
-
-        def save(*args, **kwargs):
-            output_dir = Path(trainer.args.output_dir)
-            staging = output_dir / STAGING_DIR
-            folder = output_dir / f"checkpoint-{trainer.state.global_step}"
-            get_output_dir = trainer._get_output_dir
-            trainer._get_output_dir = lambda *_, **__: str(staging)
-            try:
-                if trainer.is_world_process_zero():
-                    shutil.rmtree(staging, ignore_errors=True)  # what an earlier killed save left
-                trainer.accelerator.wait_for_everyone()
-                saved = save_checkpoint(*args, **kwargs)
-                trainer.accelerator.wait_for_everyone()
-                if trainer.is_world_process_zero():
-                    shutil.rmtree(folder, ignore_errors=True)
-                    (staging / folder.name).rename(folder)
-                    staging.rmdir()
-                trainer.accelerator.wait_for_everyone()
-            except Exception as error:  # noqa: BLE001 (a RunStopped, a SystemExit, passes)
-                if trainer.is_world_process_zero():
-                    shutil.rmtree(staging, ignore_errors=True)
-                self._stop(
-                    "checkpoint save failed",
-                    f"writing {folder} failed at step {trainer.state.global_step}: {error}. The partial "
-                    "checkpoint was removed",
-                    "Free space (or save fewer checkpoints: trainer.args.save_total_limit) and resume from "
-                    "an earlier checkpoint, or run again.",
-                )
-            finally:
-                trainer._get_output_dir = get_output_dir
-            if trainer.state.best_model_checkpoint:
-                trainer.state.best_model_checkpoint = trainer.state.best_model_checkpoint.replace(
-                    str(staging / folder.name), str(folder)
-                )
-            if trainer.args.should_save:
-                rotate_checkpoints(trainer, str(output_dir))
-            return saved
-
-        return save
+        output_dir = Path(trainer.args.output_dir)
+        staging = output_dir / STAGING_DIR
+        folder = output_dir / f"checkpoint-{trainer.state.global_step}"
+        self.staging = staging
+        try:
+            if trainer.is_world_process_zero():
+                shutil.rmtree(staging, ignore_errors=True)  # what an earlier killed save left
+            trainer.accelerator.wait_for_everyone()
+            saved = save_checkpoint(*args, **kwargs)
+            trainer.accelerator.wait_for_everyone()
+            if trainer.is_world_process_zero():
+                shutil.rmtree(folder, ignore_errors=True)
+                (staging / folder.name).rename(folder)
+                staging.rmdir()
+            trainer.accelerator.wait_for_everyone()
+        except Exception as error:  # noqa: BLE001 (a RunStopped, a SystemExit, passes)
+            if trainer.is_world_process_zero():
+                shutil.rmtree(staging, ignore_errors=True)
+            self._stop(
+                "checkpoint save failed",
+                f"writing {folder} failed at step {trainer.state.global_step}: {error}. The partial "
+                "checkpoint was removed",
+                "Free space (or save fewer checkpoints: trainer.args.save_total_limit) and resume from "
+                "an earlier checkpoint, or run again.",
+            )
+        finally:
+            self.staging = None
+        if trainer.state.best_model_checkpoint:
+            trainer.state.best_model_checkpoint = trainer.state.best_model_checkpoint.replace(
+                str(staging / folder.name), str(folder)
+            )
+        if trainer.args.should_save:
+            rotate_checkpoints(trainer, str(output_dir))
+        return saved
 
     # -- preemption -----------------------------------------------------------------------------------------
 
-    def _reporting_preemption(self, train):
-        def run(*args, **kwargs):
-            self.check_plan()
-            main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
-            handlers = {
-                signum: signal.signal(signum, self._on_preemption)
-                for signum in (signal.SIGTERM, signal.SIGINT)
-                if main_thread
-            }
-            try:
-                result = train(*args, **kwargs)
-            finally:
-                for signum, handler in handlers.items():
-                    signal.signal(signum, handler)
-            if self.stopping_for_preemption:
-                step = self.trainer.state.global_step
-                checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
-                received = self.preempted_by or signal.SIGTERM  # another process's signal: as SIGTERM
-                raise RunStopped(
-                    f"stopped by {received.name} after step {step} of {self.trainer.state.max_steps}: "
-                    f"{checkpoint} holds the model and optimizer state. Resume with:\n  "
-                    f"{self.resume_command(checkpoint)}",
-                    128 + received,
-                    self.program,
-                )
-            return result
-
-        return run
+    def train(self, train, *args, **kwargs):
+        """The guarded trainer's `train`: the plan checked, SIGTERM and Ctrl-C turned into a checkpoint and
+        the command that resumes it."""
+        self.check_plan()
+        main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
+        handlers = {
+            signum: signal.signal(signum, self._on_preemption)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+            if main_thread
+        }
+        try:
+            result = train(*args, **kwargs)
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        if self.stopping_for_preemption:
+            step = self.trainer.state.global_step
+            checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
+            received = self.preempted_by or signal.SIGTERM  # another process's signal: as SIGTERM
+            raise RunStopped(
+                f"stopped by {received.name} after step {step} of {self.trainer.state.max_steps}: "
+                f"{checkpoint} holds the model and optimizer state. Resume with:\n  "
+                f"{self.resume_command(checkpoint)}",
+                128 + received,
+                self.program,
+            )
+        return result
 
     def resume_command(self, checkpoint: Path) -> str:
         """The run's command line with `resume_from_checkpoint` set to `checkpoint`."""

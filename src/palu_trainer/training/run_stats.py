@@ -9,7 +9,6 @@ With `PALU_CUDA_MEMORY_CAP_GIB` too, the process may allocate at most that much 
 GPU on a larger one. Without the variables nothing changes.
 """
 
-import functools
 import json
 import os
 import resource
@@ -58,18 +57,3 @@ class RunStatsCallback(TrainerCallback):
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / f"run_stats_rank{rank}.json").write_text(json.dumps(stats, indent=1))
-
-
-def with_run_stats(load_trainer):
-    """The framework's `load_trainer`, whose trainer gets a `RunStatsCallback` on its output folder."""
-
-    @functools.wraps(load_trainer)
-    def load(*args, **kwargs):
-        if (gib := os.environ.get(MEMORY_CAP_VARIABLE)) and torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, float(gib) * 2**30 / total))
-        trainer, trainer_args = load_trainer(*args, **kwargs)
-        trainer.add_callback(RunStatsCallback(trainer_args.output_dir))
-        return trainer, trainer_args
-
-    return load

@@ -1,6 +1,7 @@
 """What PALU's and TPO's trainers share, so that it holds under the framework's own `src/train.py` as under
-palu-train: a loss that is a mean per micro-batch, non-reentrant activation checkpointing, the run guard,
-and resuming from `trainer.args.resume_from_checkpoint`."""
+palu-train: a loss that is a mean per micro-batch, non-reentrant activation checkpointing, the run guard
+(`GuardedTrainer`: the Trainer's own methods call it), and resuming from
+`trainer.args.resume_from_checkpoint`."""
 
 import logging
 import sys
@@ -16,21 +17,45 @@ from trainer.unlearn.grad_diff import GradDiff  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def protect_run(trainer, argv: list[str] | None = None) -> RunGuard:
-    """`trainer`'s guard, attached once: by palu-train with its command line, else (the framework's own
-    scripts) with the running Hydra app's command (`python src/train.py`), config name and overrides."""
-    if getattr(trainer, "run_guard", None) is None:
-        command, arguments = ["palu-train"], argv
-        if argv is None:
-            from hydra.core.hydra_config import HydraConfig
+def protect_run(trainer) -> RunGuard:
+    """`trainer`'s guard, with the running Hydra app's command for its resume command: `python src/train.py`
+    (or palu-train), its config name and overrides."""
+    from hydra.core.hydra_config import HydraConfig
 
-            script, arguments = sys.argv[0], sys.argv[1:]
-            command = ["python", script] if script.endswith(".py") else [Path(script).name]
-            if HydraConfig.initialized():
-                hydra = HydraConfig.get()
-                arguments = [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
-        trainer.run_guard = RunGuard(trainer, arguments, command)
-    return trainer.run_guard
+    script, arguments = sys.argv[0], sys.argv[1:]
+    command = ["python", script] if script.endswith(".py") else [Path(script).name]
+    if HydraConfig.initialized():
+        hydra = HydraConfig.get()
+        arguments = [f"--config-name={hydra.job.config_name}", *hydra.overrides.task]
+    return RunGuard(trainer, arguments, command)
+
+
+class GuardedTrainer:
+    """A Trainer whose own methods report to its run guard (`training.run_guard`); listed before the
+    Trainer's class among the bases. PALU's and TPO's trainers are; palu-train makes the stock ones so
+    (`patches.guarding_stock_trainers`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run_guard = protect_run(self)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.run_guard.record_loss(loss)
+        return loss
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        return self.run_guard.save_final(super().save_model, output_dir, _internal_call)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        return self.run_guard.save_checkpoint(super()._save_checkpoint, *args, **kwargs)
+
+    def _get_output_dir(self, *args, **kwargs):
+        staging = self.run_guard.staging
+        return str(staging) if staging else super()._get_output_dir(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        return self.run_guard.train(super().train, *args, **kwargs)
 
 
 def use_non_reentrant_checkpointing(args) -> None:
@@ -56,7 +81,7 @@ def use_non_reentrant_checkpointing(args) -> None:
         )
 
 
-class GuardedGradDiff(GradDiff):
+class GuardedGradDiff(GuardedTrainer, GradDiff):
     options_type: type  # the trainer's `trainer.method_args` (PALUOptions, TPOOptions): `self.options`
 
     def __init__(self, *args, **kwargs):
@@ -72,7 +97,6 @@ class GuardedGradDiff(GradDiff):
         # patches.averaging_accumulated_losses)
         self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
-        protect_run(self)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`resume_from_checkpoint` defaults to `trainer.args.resume_from_checkpoint` (a folder, or true for
