@@ -20,6 +20,11 @@ import pytest
 from palu_trainer.framework.checkout import checkout_dir
 
 from .conftest import EVAL_ROWS, make_tofu_mirror, read_jsonl
+from .framework.test_framework_entry_point import (
+    assert_eval_py_evaluates,
+    framework_command,
+    run_framework_train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # the wheel's contents, on the default stack; its install runs on every stack
@@ -176,3 +181,35 @@ def test_palu_train_eval_and_annotate_from_the_installed_wheel(
     checked = run("palu-annotate", "validate", "--dataset", str(rows), str(spans))
     assert len(spans.read_text().splitlines()) == EVAL_ROWS
     assert f"{spans}: {EVAL_ROWS} rows match the dataset" in checked
+
+
+@pytest.mark.slow(minutes=3)
+@pytest.mark.stack
+def test_the_frameworks_own_train_py_trains_palu_tpo_and_lora_from_the_wheel_and_eval_py_evaluates(
+    installed, tmp_path, tiny_model_dir, tofu_mirror
+):
+    """Issue 60: in the framework's checkout at the stack's commit, unedited, its own src/train.py run by the
+    environment that has only the built wheel trains PALU, TPO and PALU with LoRA; src/eval.py evaluates."""
+    edited = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout_dir(), capture_output=True,
+        text=True, check=True,
+    ).stdout  # fmt: skip
+    assert edited == ""
+    python = str(installed / "bin" / "python")
+    where = subprocess.run(
+        [python, "-c", "import palu_trainer; print(palu_trainer.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(str(installed))
+    steps = ["+trainer.args.max_steps=2", "trainer.args.logging_steps=1"]
+    runs = {"palu": ("palu", []), "tpo": ("tpo", []), "lora": ("palu", ["+peft=lora", "peft.r=4"])}
+    for name, (method, options) in runs.items():
+        command = framework_command(tofu_mirror, tiny_model_dir, tmp_path / name, [*steps, *options])
+        command = [arg.replace("unlearn/tofu/palu", f"unlearn/tofu/{method}") for arg in command]
+        result = run_framework_train(command, python=python)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        history = json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"]
+        assert [entry["step"] for entry in history if "loss" in entry] == [1, 2]
+        assert (tmp_path / name / "model.safetensors").is_file()
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
+    assert_eval_py_evaluates(tmp_path / "lora", tmp_path / "eval", tofu_mirror, python=python)

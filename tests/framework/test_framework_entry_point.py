@@ -43,9 +43,11 @@ def environment() -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_framework_train(arguments, timeout=600) -> subprocess.CompletedProcess:
+def run_framework_train(arguments, timeout=600, python=sys.executable) -> subprocess.CompletedProcess:
+    """The framework's src/train.py in its checkout, run by `python` (this environment's, or one with only
+    the built wheel installed)."""
     return subprocess.run(
-        [sys.executable, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
+        [python, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -256,11 +258,30 @@ OTHER_TOFU_METRICS = (
 )  # fmt: skip
 
 
-def run_framework_eval(arguments) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "src/eval.py", *arguments], cwd=checkout_dir(), env=environment(),
+def assert_eval_py_evaluates(model_dir, out_dir, tofu_mirror, python=sys.executable) -> None:
+    """The framework's src/eval.py, with the stock TOFU evaluator cut to forget_Q_A_Prob on the local
+    forget01, evaluates `model_dir` into `out_dir`."""
+    model = [
+        f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
+    ]
+    dataset = "eval.tofu.metrics.forget_Q_A_Prob.datasets.TOFU_QA_forget.args.hf_args.path"
+    arguments = [
+        "experiment=eval/tofu/tiny",
+        "+runtime=cpu",
+        "forget_split=forget01",
+        "task_name=eval",
+        *(f"~eval.tofu.metrics.{metric}" for metric in OTHER_TOFU_METRICS),
+        f"{dataset}={tofu_mirror}",
+        *model,
+        f"paths.output_dir={out_dir}",
+    ]
+    evaluation = subprocess.run(
+        [python, "src/eval.py", *arguments], cwd=checkout_dir(), env=environment(),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    assert evaluation.returncode == 0, (evaluation.stdout + evaluation.stderr)[-4000:]
+    summary = json.loads((out_dir / "TOFU_SUMMARY.json").read_text())
+    assert set(summary) == {"forget_Q_A_Prob"} and 0 < summary["forget_Q_A_Prob"] < 1
 
 
 @pytest.mark.slow(minutes=2)
@@ -281,23 +302,7 @@ def test_palu_with_lora_trains_through_train_py_as_through_palu_train_and_eval_p
     assert adapter["r"] == 4 and adapter["base_model_name_or_path"] == str(tiny_model_dir)
     assert (out / "model.safetensors").is_file()
 
-    model = [f"model.{args}.pretrained_model_name_or_path={out}" for args in ("model_args", "tokenizer_args")]
-    dataset = "eval.tofu.metrics.forget_Q_A_Prob.datasets.TOFU_QA_forget.args.hf_args.path"
-    evaluation = run_framework_eval(
-        [
-            "experiment=eval/tofu/tiny",
-            "+runtime=cpu",
-            "forget_split=forget01",
-            "task_name=lora",
-            *(f"~eval.tofu.metrics.{metric}" for metric in OTHER_TOFU_METRICS),
-            f"{dataset}={tofu_mirror}",
-            *model,
-            f"paths.output_dir={tmp_path / 'eval'}",
-        ]  # fmt: skip
-    )
-    assert evaluation.returncode == 0, (evaluation.stdout + evaluation.stderr)[-4000:]
-    summary = json.loads((tmp_path / "eval" / "TOFU_SUMMARY.json").read_text())
-    assert set(summary) == {"forget_Q_A_Prob"} and 0 < summary["forget_Q_A_Prob"] < 1
+    assert_eval_py_evaluates(out, tmp_path / "eval", tofu_mirror)
 
 
 @pytest.mark.slow
