@@ -67,7 +67,8 @@ MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SP
 # SmolLM2-135M-Instruct on a real-TOFU subset (DATA=tofu by default), seeds, results/smollm2-tofu/; PLAN=1
 # prints its runs and minutes. make converged [JOBS=2] [PLAN=1] [FAST=1] [METHODS=...] [RESULTS=DIR]: the same model and data at
 # the paper's budget (10 epochs), curves, fronts, seeds and PALU's utility cliff (issue 30),
-# results/converged-smollm2-tofu/; LORA=1: PALU and NPO with LoRA adapters, the same budget, in its lora/. MINI_MODEL, not MODEL: MODEL names the GPU recipe's model config and has a
+# results/converged-smollm2-tofu/; LAYOUT=broad: Original on 2 forget + 18 retain authors, the retain term
+# on all 18 (issue 79), results/converged-broad-smollm2-tofu/; LORA=1: PALU and NPO with LoRA adapters, the same budget, in its lora/. MINI_MODEL, not MODEL: MODEL names the GPU recipe's model config and has a
 # default, so `make demo` could not tell it was not asked for.
 BENCH ?= tofu
 MINI_MODEL ?=
@@ -151,7 +152,7 @@ converged:
 	$(PY) -m palu_lab.converged --data tofu --tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu) \
 		$(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 		$(if $(METHODS),--methods $(METHODS)) $(if $(LORA),--lora) $(if $(PLAN),--plan) \
-		$(if $(ARCHIVE),--archive $(ARCHIVE)) $(if $(RESULTS),--results $(RESULTS))
+		$(if $(ARCHIVE),--archive $(ARCHIVE)) $(if $(RESULTS),--results $(RESULTS)) $(if $(LAYOUT),--layout $(LAYOUT))
 
 tofu:
 	$(RECIPE) --kl-weight $(LAMBDA) --methods PALU

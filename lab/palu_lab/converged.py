@@ -49,11 +49,11 @@ from palu_lab.miniature import (
     Miniature,
     RealTofuSize,
     add_arguments,
-    epochs_of,
     file_digest,
     parse_arguments,
     start_run,
     tofu_miniature,
+    whole_epoch_checkpoints,
 )
 from palu_lab.real_model import FORGETTING, SCORECARD, UTILITY, Run, Spread, aggregate
 from palu_lab.stage_archive import StageArchive, this_machine
@@ -103,7 +103,7 @@ CONVERGED_ROWS = (*REAL_MODEL_METHODS, *FORM_ROWS, "PALU_release")
 # only collapse sooner and waits for the rest (`RUN_LAST_RATES`); at 1e-5 the c-gradient forms kept 91% of
 # Original's MU at epoch 4 and lost it by epoch 6, so the second knob value (more KL or retain weight) starts
 # there, where it can still answer whether c's gradient keeps utility.
-RUN_ORDER_RATES = (3e-6, 1e-5, 3e-5, 1e-4, 3e-4)
+RUN_ORDER_RATES = (3e-6, 1e-5, 2e-5, 3e-5, 1e-4, 3e-4)
 RUN_LAST_RATES = (3e-4,)
 # Issue 59 read the new rows' fronts after about 10 of its 12 machine-hours of tuning: both c-gradient forms
 # lose MU at every rate of the grid before FQ moves (at 1e-5 MU 0.344 with FQ still the Original's at epoch 4,
@@ -158,8 +158,35 @@ CONVERGED = replace(
 CONVERGED_FAST = replace(
     TOFU_SIZES["smollm2-fast"], unlearn_epochs=2, unlearn_learning_rates=(5e-5,), tune_knobs=True
 )
+# The broad-retain layout (`--layout broad`, issue 79): the paper's Original knows 200 authors and its retain
+# term covers 190; the four-author layout's retain term sees 2 authors, the same rows MU reads. Here Original
+# is finetuned on 20 authors, the 2 forget authors and 18 retain authors, every row of each (400 rows), Retain
+# on the 18, and the retain term draws from all 18 (360 rows). The forget set, the holdout, MU's row counts,
+# the budget and the evaluator stay. MU's retain part reads retain_perturbed's first 40 rows, authors 0 and 1,
+# trained retain authors as TOFU's retain_perturbed's are, and the rows the four-author layout reads.
+BROAD_LAYOUT = replace(CONVERGED_LAYOUT, retain_authors=range(0, 18))
+# Each method's rates on the broad layout: PALU's around its four-author cliff (between 1e-5 and 3e-5, with
+# the paper's 2e-5), NPO's and TPO's where their four-author selections lie.
+BROAD_RATES = {"PALU": (1e-5, 2e-5, 3e-5, 1e-4), "NPO": (3e-5, 1e-4, 3e-4), "TPO": (3e-5, 1e-4, 3e-4)}
+BROAD_ROWS = tuple(BROAD_RATES)
+CONVERGED_BROAD = replace(
+    CONVERGED,
+    layout=BROAD_LAYOUT,
+    unlearn_learning_rates=tuple(sorted({rate for rates in BROAD_RATES.values() for rate in rates})),
+)
+CONVERGED_BROAD_FAST = replace(
+    CONVERGED_FAST, layout=replace(CONVERGED_FAST.layout, retain_authors=range(0, 2))
+)
 TOFU_SIZES["smollm2-converged"] = CONVERGED
 TOFU_SIZES["smollm2-converged-fast"] = CONVERGED_FAST
+TOFU_SIZES["smollm2-converged-broad"] = CONVERGED_BROAD
+TOFU_SIZES["smollm2-converged-broad-fast"] = CONVERGED_BROAD_FAST
+LAYOUTS = {"four-author": "smollm2-converged", "broad": "smollm2-converged-broad"}
+
+
+def runs_palu_studies(methods: Sequence[str], size: RealTofuSize, lora: bool) -> bool:
+    """Whether the run holds PALU's cliff study and target ablation (the four-author layout's, no LoRA)."""
+    return "PALU" in methods and not lora and size not in (CONVERGED_BROAD, CONVERGED_BROAD_FAST)
 
 
 class Scored:
@@ -257,6 +284,8 @@ def row_grid(row: str, method: str, size: RealTofuSize, lora: bool = False) -> l
     `HELD_BACK`."""
     converged = size is CONVERGED and not lora
     rates = (*(EXTENDED_RATES.get(row, ()) if converged else ()), *learning_rates(size, lora))
+    if size is CONVERGED_BROAD:
+        rates = BROAD_RATES.get(row, rates)
     held = HELD_BACK.get(row, ()) if converged else ()
     knob, values = METHODS[method].knob, CONVERGED_KNOB_VALUES[method]
     return [
@@ -340,7 +369,7 @@ def unlearn_with_curve(mini: Miniature, run: Run, keep: Callable[[Path], None] |
     out_dir, seconds = stages.unlearn_cached(
         run.method, run.learning_rate, mini.original_dir, run_overrides(run), run.name
     )
-    checkpoints = {round(epochs_of(path)): path for path in out_dir.glob("checkpoint-*")}
+    checkpoints = whole_epoch_checkpoints(out_dir)
     rows = stages.size.layout.forget_rows
     points, eval_dirs = [], []
     for epoch in (*evaluated_epochs(epochs), epochs):
@@ -835,7 +864,7 @@ def run_minutes(size: RealTofuSize) -> float:
 
 def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool = False) -> list[str]:
     tuning = tuning_runs(methods, size, lora)
-    ablated = "PALU" in methods and not lora
+    ablated = runs_palu_studies(methods, size, lora)
     cliff = cliff_runs(size) if ablated else []
     targets = list(TARGET_VARIANTS) if ablated else []
     seeds = len(methods) * (len(size.seeds) - 1)
@@ -849,7 +878,7 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool
         f"{size.unlearn_epochs} (the full stock set); MU on {size.layout.eval_rows or 'all'} rows of each "
         "of its sets (retain, real authors, world facts)",
         f"tuning on seed {size.seeds[0]}: {len(tuning)} runs, learning rates "
-        f"{list(learning_rates(size, lora))} "
+        f"{list(learning_rates(size, lora)) if size is not CONVERGED_BROAD else BROAD_RATES} "
         + ("(LoRA adapters) " if lora else "")
         + "x two values of each method's knob:",
         *(f"  {run.name}" for run in tuning),
@@ -861,9 +890,15 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool
         if targets
         else "",
         f"estimated: {per_run:.0f} min per run beside another job; {total / 60:.1f} h wall at {parallel} "
-        "jobs "
-        "(plus Original and Retain if not cached: ~20 min)",
+        f"jobs (plus Original and Retain if not cached: ~{finetune_minutes(size):.0f} min, at once)",
     ]
+
+
+def finetune_minutes(size: RealTofuSize) -> float:
+    """Estimated minutes of Original's finetuning (the longer of the two, run beside Retain's)."""
+    rows = (len(size.layout.forget_authors) + len(size.layout.retain_authors)) * size.layout.rows_per_author
+    steps = math.ceil(rows / (size.finetune_batch_size or 8)) * size.finetune_epochs
+    return (steps * size.step_seconds + size.process_seconds) / 60
 
 
 def write_report(
@@ -1004,7 +1039,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
     commit = commit_of()
     tuning_list = tuning_runs(methods, size, lora)
     rows = list(dict.fromkeys(run.row for run in tuning_list))
-    ablated = "PALU" in methods and not lora  # the cliff study and the target ablation
+    ablated = runs_palu_studies(methods, size, lora)
     cliff_list = cliff_runs(size) if ablated else []
     targets_count = len(TARGET_VARIANTS) if ablated else 0
     runs = len(tuning_list) + len(cliff_list) + targets_count + len(methods) * (len(size.seeds) - 1)
@@ -1144,15 +1179,29 @@ def main(argv=None) -> None:
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
     )
     parser.add_argument(
+        "--layout",
+        choices=tuple(LAYOUTS),
+        default="four-author",
+        help="four-author: Original knows 2 forget and 2 retain authors; broad: 2 forget and 18 retain "
+        "authors, the retain term on all 18 (results/converged-broad-smollm2-tofu/)",
+    )
+    parser.add_argument(
         "--archive",
         type=Path,
         help="keep finished stages' small files here (commit it) and restore them from it: a run that "
         "continues on another machine",
     )
     args = parse_arguments(parser, argv, "converged")
-    args.size = "smollm2-converged" + ("-fast" if args.fast else "")
+    args.size = LAYOUTS[args.layout] + ("-fast" if args.fast else "")
+    if args.layout == "broad":
+        if args.lora:
+            parser.error("--layout broad runs full finetuning only (its rows: " + ", ".join(BROAD_ROWS) + ")")
+        if not args.run:
+            broad_name = args.run_dir.name.replace("converged", "converged-broad", 1)
+            args.run_dir = args.run_dir.with_name(broad_name)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    run(args, args.methods or list(REAL_MODEL_LORA_METHODS if args.lora else CONVERGED_ROWS))
+    default_rows = BROAD_ROWS if args.layout == "broad" else CONVERGED_ROWS
+    run(args, args.methods or list(REAL_MODEL_LORA_METHODS if args.lora else default_rows))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from palu_lab.method_lists import CONVERGENCE_METHODS
 from palu_lab.miniature import (
     TOFU_SIZES,
     add_arguments,
-    epochs_of,
     parse_arguments,
     start_run,
     tofu_miniature,
+    whole_epoch_checkpoints,
 )
 from palu_trainer.experiments import report
 from palu_trainer.experiments.methods import METHODS
@@ -32,12 +32,11 @@ def unlearn_per_epoch(mini, method: str, learning_rate: float, epochs: int) -> l
     name = f"{method}_convergence"
     overrides = [*PER_EPOCH_CHECKPOINTS, f"trainer.args.num_train_epochs={epochs}"]
     out_dir, seconds = mini.stages.unlearn(method, learning_rate, mini.original_dir, overrides, name)
-    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
-    if len(checkpoints) != epochs:
-        raise RuntimeError(f"{out_dir}: {len(checkpoints)} checkpoints for {epochs} epochs")
+    checkpoints = whole_epoch_checkpoints(out_dir)
+    if sorted(checkpoints) != list(range(1, epochs + 1)):
+        raise RuntimeError(f"{out_dir}: checkpoints of epochs {sorted(checkpoints)}, not 1-{epochs}")
     runs = []
-    for checkpoint in checkpoints:
-        epoch = round(epochs_of(checkpoint))
+    for epoch, checkpoint in sorted(checkpoints.items()):
         eval_json = mini.stages.evaluate(f"{name}_epoch{epoch}", checkpoint, mini.retain_eval, cache=False)
         runs.append(
             report.run_from_eval(eval_json, seconds * epoch / epochs, {"lr": learning_rate, "epoch": epoch})

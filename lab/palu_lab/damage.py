@@ -220,7 +220,7 @@ def converged_checkpoints(
     epochs = converged.evaluated_epochs(size.unlearn_epochs)
     checkpoints = {}
     for name, out_dir in out_dirs.items():
-        by_epoch = {round(miniature.epochs_of(path)): path for path in out_dir.glob("checkpoint-*")}
+        by_epoch = miniature.whole_epoch_checkpoints(out_dir)
         checkpoints.update({f"{name} epoch {epoch}": by_epoch[epoch] for epoch in epochs})
         checkpoints[f"{name} epoch {size.unlearn_epochs}"] = out_dir
     return mini.original_dir, mini.stages.data_dir(), checkpoints

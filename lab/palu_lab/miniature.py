@@ -362,6 +362,17 @@ def epochs_of(checkpoint: Path) -> float:
     return json.loads((checkpoint / "trainer_state.json").read_text())["epoch"]
 
 
+def whole_epoch_checkpoints(out_dir: Path) -> dict[int, Path]:
+    """The checkpoints of `out_dir` saved at the end of an epoch, by epoch. A checkpoint saved mid-epoch (on
+    SIGTERM, to resume) stands for no epoch: rounded, it could take the place of the epoch's own."""
+    by_epoch = {}
+    for path in out_dir.glob("checkpoint-*"):
+        epoch = epochs_of(path)
+        if abs(epoch - round(epoch)) < 1e-6:
+            by_epoch[round(epoch)] = path
+    return by_epoch
+
+
 def unlearning_run_name(method: str, params: dict) -> str:
     """NPO_lr0.001, or NPO_lr0.001_beta0.5 for a knob's value (a text value as itself: a variant's name)."""
     return method + "".join(

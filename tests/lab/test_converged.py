@@ -37,6 +37,35 @@ FAST = TOFU_SIZES["smollm2-converged-fast"]
 ORIGINAL_MU = 0.44
 
 
+def test_the_broad_layout_is_issue_79s_protocol():
+    """Original knows 2 forget and 18 retain authors; the forget set, holdout, MU's rows and budget are the
+    four-author layout's; PALU, NPO and TPO on their own rates x two knob values, 20 runs, no PALU studies."""
+    broad = TOFU_SIZES["smollm2-converged-broad"]
+    assert list(broad.layout.retain_authors) == list(range(18)) and broad.layout.forget_rows == 40
+    assert (broad.layout.forget_authors, broad.layout.holdout_authors) == (
+        SIZE.layout.forget_authors,
+        SIZE.layout.holdout_authors,
+    )
+    assert (broad.layout.eval_rows, broad.unlearn_epochs, broad.bf16) == (40, 10, False)
+    runs = tuning_runs(converged.BROAD_ROWS, broad)
+    assert len(runs) == 20
+    assert sorted({run.learning_rate for run in runs if run.method == "PALU"}) == [1e-5, 2e-5, 3e-5, 1e-4]
+    assert sorted({run.learning_rate for run in runs if run.method == "TPO"}) == [3e-5, 1e-4, 3e-4]
+    assert not converged.runs_palu_studies(converged.BROAD_ROWS, broad, lora=False)
+    assert converged.runs_palu_studies(converged.BROAD_ROWS, SIZE, lora=False)
+
+
+def test_a_mid_epoch_checkpoint_stands_for_no_epoch(tmp_path):
+    """A checkpoint written on SIGTERM at epoch 1.6 would round to 2 and could take epoch 2's place."""
+    for step, epoch in ((5, 1.0), (8, 1.6), (10, 2.0), (12, 2.4)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"epoch": epoch}))
+    assert miniature.whole_epoch_checkpoints(tmp_path) == {
+        1: tmp_path / "checkpoint-5",
+        2: tmp_path / "checkpoint-10",
+    }
+
+
 def test_the_plan_is_the_issues_protocol():
     """≥ 3 learning rates, the same for every method, crossed with two knob values; 10 epochs; the cliff
     study at the pilot's rate."""
