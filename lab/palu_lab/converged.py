@@ -47,6 +47,7 @@ from palu_lab.miniature import (
     SMOLLM2,
     TOFU_SIZES,
     Miniature,
+    NotCached,
     RealTofuSize,
     add_arguments,
     file_digest,
@@ -331,6 +332,25 @@ def cliff_runs(size: RealTofuSize) -> list[Run]:
 TARGET_VARIANTS = {label: overrides for label, overrides in AXES["c"].points.items() if overrides}
 
 
+# The target ablation's setting: PALU's selection when it ran (issue 59), by the rule of the day on the last
+# epoch (lr 1e-5, λ 1); the grid's first rate in a run whose grid lacks it.
+TARGET_LEARNING_RATE = 1e-5
+
+
+def target_base(tuning: Sequence["Curve"], size: RealTofuSize) -> "Curve":
+    """PALU's tuning run that the target ablation varies: at `TARGET_LEARNING_RATE`, its first knob value."""
+    rates = size.unlearn_learning_rates
+    rate = TARGET_LEARNING_RATE if TARGET_LEARNING_RATE in rates else rates[0]
+    knob = METHODS["PALU"].knob.name
+    return next(
+        curve
+        for curve in tuning
+        if curve.run.row == "PALU"
+        and curve.run.learning_rate == rate
+        and curve.run.params.get(knob) == CONVERGED_KNOB_VALUES["PALU"][0]
+    )
+
+
 def target_runs(selected: Run) -> list[Run]:
     """`TARGET_VARIANTS` at `selected` (PALU's selected setting on seed 0), named as the cliff study's
     target variant, so the same setting is one run."""
@@ -394,6 +414,10 @@ def unlearn_with_curve(mini: Miniature, run: Run, keep: Callable[[Path], None] |
     return Curve(run, points, out_dir, seconds)
 
 
+def point_at(curve: Curve, epoch: int) -> Point:
+    return next(point for point in curve.points if point.epoch == epoch)
+
+
 def pareto_front(points: Sequence[ScoredPoint]) -> list[ScoredPoint]:
     """The points no other beats on both MU and FQ, by MU descending (FQ then ascends)."""
     front, best = [], -math.inf
@@ -410,11 +434,26 @@ def best_at_utility(points: Sequence[ScoredPoint], floor: float) -> ScoredPoint 
     return max(kept, key=lambda p: p.quality) if kept else None
 
 
-def select(curves: Sequence[Curve], original_utility: float) -> Curve:
-    """The selection rule (real_model.SCORECARD's) on the runs' last epochs."""
-    finals = [report.EvaluatedModel(curve.points[-1].metrics) for curve in curves]
-    chosen = report.select_run(finals, original_utility, SCORECARD)
-    return curves[finals.index(chosen)]
+SELECTION_RULE = (
+    "per method, among every (setting, evaluated epoch) of its seed-0 tuning runs whose MU is at least "
+    f"{report.UTILITY_FLOOR:.0%} of the Original's, the one with the highest FQ; ties go to the higher MU, "
+    "then the lower learning rate. A method none of whose points at that MU has an FQ above the Original's "
+    "has no admissible point: no setting is selected and no seed runs. Seeds 1 and 2 run the selected "
+    "setting and are read at the selected epoch"
+)
+
+
+def select_point(points: Sequence[Point], original: Mapping) -> Point | None:
+    """`SELECTION_RULE` on a row's tuning points; None: no admissible point."""
+    floor = report.UTILITY_FLOOR * (original.get(UTILITY) or 0.0)
+    admissible = [
+        point
+        for point in points
+        if point.utility >= floor and point.quality > (original.get(FORGETTING) or 0.0)
+    ]
+    if not admissible:
+        return None
+    return max(admissible, key=lambda p: (p.quality, p.utility, -p.run.learning_rate))
 
 
 TERM_KEYS = ("local_loss", "kl_loss", "retain_loss", "grad_norm", "grad_norm_local", "grad_norm_kl")
@@ -823,8 +862,8 @@ def target_section(
         PAPER_TARGET_READING,
     ]
     markdown = [
-        f"Seed {default.run.seed}, PALU's selected setting ({setting(default.run)}), c's gradient as "
-        "`trainer=PALU` sets it; which targets are shift-invariant: docs/method.md.",
+        f"Seed {default.run.seed}, PALU at {setting(default.run)} (its selection when the ablation ran), c's "
+        "gradient as `trainer=PALU` sets it; which targets are shift-invariant: docs/method.md.",
         "",
         *lines,
         "",
@@ -885,8 +924,8 @@ def plan_lines(methods: Sequence[str], size: RealTofuSize, jobs: int, lora: bool
         f"seeds {list(size.seeds[1:])} of each method's selected setting: {seeds} runs",
         f"PALU's utility cliff: {len(cliff)} runs at lr {cliff[0].learning_rate:g}:" if cliff else "",
         *(f"  {run.row}: {' '.join(run.extra[1:])}" for run in cliff),
-        f"the target ablation at PALU's selected setting, seed {size.seeds[0]}: {len(targets)} runs, c = "
-        + ", ".join(targets)
+        f"the target ablation at PALU lr {TARGET_LEARNING_RATE:g}, seed {size.seeds[0]}: "
+        f"{len(targets)} runs, c = " + ", ".join(targets)
         if targets
         else "",
         f"estimated: {per_run:.0f} min per run beside another job; {total / 60:.1f} h wall at {parallel} "
@@ -905,27 +944,45 @@ def write_report(
     out_dir: Path,
     references: Mapping[str, report.EvaluatedModel],
     tuning: Sequence[Curve],
-    selected: Mapping[str, Run],
+    selections: Mapping[str, Point | None],
     seeded: Mapping[str, list[Curve]],
     cliff: Sequence[Curve],
     extra: Mapping,
     full: FullFinetuning | None = None,
     targets: Sequence[Curve] = (),
+    target_default: Curve | None = None,
 ) -> dict[str, Path]:
     """converged.md, converged.json, curves.png and fronts.png, and targets.png with `targets` (the target
-    ablation's runs); `full`: the LoRA report's full-finetuning rows, compared with its own."""
+    ablation's runs, beside `target_default`); `full`: the LoRA report's full-finetuning rows, compared with
+    its own. `selections`: each row's selected point (`select_point`), None where it has none."""
     original = references["Original"].metrics
     forget_rows = extra["forget_rows"]
     spreads = {name: aggregate([run]) for name, run in references.items()}
     for name, reference in references.items():
         d = ks_statistic(reference.metrics[FORGETTING], forget_rows)
         spreads[name]["ks_d"] = None if d is None else Spread(d, d, d, 1)
-    for method, curves in seeded.items():
-        spreads[method] = aggregate(
-            [report.EvaluatedModel(dict(curve.points[-1].metrics)) for curve in curves]
+    floor = report.UTILITY_FLOOR * original[UTILITY]
+    selected_lines = []
+    for row, chosen in selections.items():
+        if chosen is None:
+            spreads[f"{row}: no admissible point"] = {}
+            selected_lines.append(f"{row}: no admissible point")
+            continue
+        at_epoch = [point_at(curve, chosen.epoch) for curve in seeded[row]]
+        spreads[row] = aggregate([report.EvaluatedModel(dict(point.metrics)) for point in at_epoch])
+        under = [f"seed {p.run.seed} (MU {p.utility:.3f})" for p in at_epoch if p.utility < floor]
+        selected_lines.append(
+            f"{row} {setting(chosen.run)}, epoch {chosen.epoch}"
+            + (f" ({', '.join(under)} under the floor of {floor:.3f} at that epoch)" if under else "")
         )
-    lines = real_model.reading(spreads, extra["baselines"], extra["subject"])
-    points = {row: [p for curve in tuning if curve.run.row == row for p in curve.points] for row in selected}
+    lines = (
+        real_model.reading(spreads, extra["baselines"], extra["subject"])
+        if selections.get(extra["subject"])
+        else [f"{extra['subject']} has no admissible point: no reading."]
+    )
+    points = {
+        row: [p for curve in tuning if curve.run.row == row for p in curve.points] for row in selections
+    }
     fronts = front_lines(points, original[UTILITY])
     curves = {
         method: curve_spreads(curves, {**original, "ks_d": ks_statistic(original[FORGETTING], forget_rows)})
@@ -948,13 +1005,16 @@ def write_report(
         f"{extra['jobs']} at a time, so about {machine / extra['jobs']:.1f} h of wall time; this invocation "
         f"took {extra['wall_time_h']:.1f} h (stage times in converged.json).",
         "",
-        "## Table: each method's selected setting after 10 epochs, mean [min–max] over seeds",
+        "## Table: each method's selected setting at its selected epoch, mean [min–max] over seeds",
+        "",
+        f"Selection: {SELECTION_RULE}. At an epoch before the last only the curve metrics (FQ, KS D, MU and "
+        "its parts, forget ROUGE) were evaluated: the other cells are —.",
         "",
         real_model.spread_table(spreads, (*real_model.TABLE_1[:1], *ks_column, *real_model.TABLE_1[1:])),
         "",
         real_model.spread_table(spreads, real_model.TABLE_2),
         "",
-        "Selected settings: " + "; ".join(f"{m} {setting(run)}" for m, run in selected.items()) + ".",
+        "Selected: " + "; ".join(selected_lines) + ".",
         "",
         "## Reading",
         "",
@@ -987,9 +1047,8 @@ def write_report(
     target_reading: list[str] = []
     if targets:
         paths["targets.png"] = out_dir / "targets.png"
-        default = next(curve for curve in tuning if curve.run == selected["PALU"])
         section, target_reading = target_section(
-            default, targets, references, original[UTILITY], paths["targets.png"]
+            target_default, targets, references, original[UTILITY], paths["targets.png"]
         )
         markdown += ["## The paper's target ablation (its Figure 4, right)", "", *section]
     notes = list(extra["notes"])
@@ -1008,7 +1067,8 @@ def write_report(
         "targets": target_reading,
         "against_full_finetuning": full_reading,
         "rows": {n: {k: asdict(v) if v else None for k, v in s.items()} for n, s in spreads.items()},
-        "selected": {method: run.name for method, run in selected.items()},
+        "selected": {row: chosen.run.name if chosen else None for row, chosen in selections.items()},
+        "selected_epochs": {row: chosen.epoch if chosen else None for row, chosen in selections.items()},
         "curves": {
             method: {
                 epoch: {k: asdict(v) if v else None for k, v in s.items()} for epoch, s in by_epoch.items()
@@ -1054,7 +1114,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         mini = tofu_miniature(args, progress, pool)
         keep = None
-        if archive:
+        if archive and not args.render:
             origin = {
                 "original": file_digest(mini.original_dir / "model.safetensors")[:16],
                 "commit": commit,
@@ -1072,20 +1132,41 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         def unlearn(run_: Run) -> Curve:
             return unlearn_with_curve(mini, run_, keep)
 
+        def unlearn_if_archived(run_: Run) -> Curve | None:
+            """`--render`: the run's curve where its stages are archived, else None (said)."""
+            try:
+                return unlearn(run_)
+            except NotCached as missing:
+                progress.say(f"--render: {run_.name} left out: {missing}")
+                return None
+
         finished = {curve.run: curve for curve in run_all(pool, unlearn, run_order(tuning_list))}
         tuning = [finished[run_] for run_ in tuning_list]
         references = mini.references()
-        original_utility = references["Original"].metrics[UTILITY] or 0.0
-        selected = {}
-        for row in rows:
-            chosen = select([c for c in tuning if c.run.row == row], original_utility)
-            selected[row] = chosen.run
-            progress.say(f"selected {chosen.run.name}")
+        selections = {
+            row: select_point(
+                [p for curve in tuning if curve.run.row == row for p in curve.points],
+                references["Original"].metrics,
+            )
+            for row in rows
+        }
+        for row, chosen in selections.items():
+            progress.say(
+                f"selected for {row}: "
+                + (f"{chosen.run.name}, epoch {chosen.epoch}" if chosen else "no admissible point")
+            )
+        selected = {row: chosen.run for row, chosen in selections.items() if chosen}
         more = seed_runs(selected, size.seeds)
-        target_list = target_runs(selected["PALU"]) if ablated else []
-        later = run_all(pool, unlearn, [*more, *cliff_list, *target_list])
-    by_run = {curve.run: curve for curve in (*tuning, *later)}
-    seeded = {row: [by_run[replace(run_, seed=s)] for s in size.seeds] for row, run_ in selected.items()}
+        target_default = target_base(tuning, size) if ablated else None
+        target_list = target_runs(target_default.run) if ablated else []
+        later = run_all(
+            pool, unlearn_if_archived if args.render else unlearn, [*more, *cliff_list, *target_list]
+        )
+    by_run = {curve.run: curve for curve in (*tuning, *later) if curve}
+    seeded = {
+        row: [by_run[replace(run_, seed=s)] for s in size.seeds if replace(run_, seed=s) in by_run]
+        for row, run_ in selected.items()
+    }
     cliff = [by_run[run_] for run_ in cliff_list]
     targets = [by_run[run_] for run_ in target_list]
     wall = time.monotonic() - progress.start
@@ -1121,7 +1202,7 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             if size is CONVERGED and not lora and any(row in methods for row in HELD_BACK)
             else []
         ),
-        f"Selection: {SCORECARD.selection_rule} (on the last epoch).",
+        f"Selection: {SELECTION_RULE}.",
         f"Curve epochs {list(evaluated_epochs(size.unlearn_epochs))}: forget_quality, forget_Q_A_ROUGE and "
         "model_utility of the stock evaluator; the last epoch: the full set with the paper's metrics. KS D "
         "is "
@@ -1129,6 +1210,12 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
         "Each unlearning run and evaluation is cached in results/.cache; checkpoints and weights are deleted "
         "once evaluated.",
     ]
+    if args.render:
+        notes.append(
+            "Rendered from the archive (--render): nothing was trained or evaluated again. A selected "
+            "setting whose other seeds were never run (the selection rule changed after they ran) is read on "
+            "the seeds that were: the tables' last column counts them."
+        )
     if archive:
         origins, commits = (
             ", ".join(f"{value} ({count} runs)" for value, count in archive.origins(field).items())
@@ -1161,7 +1248,9 @@ def run(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Path]:
             "alone: `make converged` (the same options without LoRA=1) makes it, from the cache where it ran."
         )
     out_dir = args.run_dir / "lora" if lora else args.run_dir
-    paths = write_report(out_dir, references, tuning, selected, seeded, cliff, extra, full, targets)
+    paths = write_report(
+        out_dir, references, tuning, selections, seeded, cliff, extra, full, targets, target_default
+    )
     return progress.finish(paths)
 
 
@@ -1177,6 +1266,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--plan", action="store_true", help="print every run and the estimated time, and exit"
+    )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="make nothing: the report from cached or archived stages only (with --archive), Original and "
+        "Retain not finetuned; a seed run that was never made is left out",
     )
     parser.add_argument(
         "--layout",

@@ -380,6 +380,10 @@ def unlearning_run_name(method: str, params: dict) -> str:
     )
 
 
+class NotCached(RuntimeError):
+    """A stage that a render-only run (`Stages.render_only`) would have to make."""
+
+
 class Stages:
     """The framework's runs on the TOFU miniature: finetune and evaluate (cached), unlearn (`MuseStages`:
     on the MUSE one)."""
@@ -391,6 +395,7 @@ class Stages:
     ):
         self.benchmark, self.size, self.run_dir, self.cache_dir = benchmark, size, run_dir, cache_dir
         self.progress = progress
+        self.render_only = False  # make nothing: read cached stages, raise NotCached for the others
         # One thread per process: a model this small gains nothing from a second one, and two OpenMP
         # threads on a busy 2-core machine spin against each other (measured: 10x slower steps).
         threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -419,6 +424,11 @@ class Stages:
             seconds = json.loads(done.read_text())["wall_time_s"]
             self.progress.stage(stage, 0, f" (cached in {out_dir}, made in {seconds:.0f} s)", seconds)
             return out_dir, seconds
+        if self.render_only:
+            if kind == "finetune":  # weights are never archived; their folder's name keys the stages that are
+                self.progress.stage(stage, 0, f" (render only: not made, {out_dir.name} keys what reads it)")
+                return out_dir, 0.0
+            raise NotCached(f"{stage} is neither cached nor archived ({out_dir.name})")
         if not resumable:
             shutil.rmtree(out_dir, ignore_errors=True)
         seconds = produce(out_dir)
@@ -788,6 +798,7 @@ def tofu_miniature(args: argparse.Namespace, progress: Progress, pool) -> Miniat
             "real_authors / world_facts are synthetic stand-ins (palu_lab.benchmarks.synthetic_tofu)."
         )
     stages = Stages(benchmark, size, args.run_dir, args.results / ".cache", progress)
+    stages.render_only = getattr(args, "render", False)
     return finetune_references(stages, model_dir, benchmark.retain_split, vocab_size, pool, notes)
 
 

@@ -5,6 +5,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -550,3 +551,37 @@ def test_a_checkpoint_records_a_stock_methods_options_and_loras_and_a_resume_com
     assert "(peft.r: 16 then, 8 now)" in resume_options_problem(cfg, "train")
     OmegaConf.update(cfg, "allow_resume_under_other_options", True, force_add=True)
     assert resume_options_problem(cfg, "train") is None
+
+
+def test_a_resume_from_another_starting_model_of_the_same_shape_stops_naming_both(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, resume_options_problem, run_options
+
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    weights = load_file(other / "model.safetensors")
+    name = sorted(weights)[len(weights) // 2]
+    weights[name] = weights[name] + 1e-3  # same shape, tokenizer and config: another model all the same
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    run_dir = tmp_path / "run"
+    cfg, _ = composed(["experiment=unlearn/tofu/palu", f"paths.output_dir={run_dir}"])
+    OmegaConf.update(cfg, "model.model_args.pretrained_model_name_or_path", str(tiny_model_dir))
+    options = run_options(cfg)
+    assert options["model"] == str(tiny_model_dir) and len(options["model weights"]) == 40
+    checkpoint = run_dir / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    torch.save({"state": {}}, checkpoint / "optimizer.pt")
+    (checkpoint / RUN_OPTIONS_FILE).write_text(json.dumps(options))
+    OmegaConf.update(cfg, "trainer.args.resume_from_checkpoint", True, force_add=True)
+    assert resume_options_problem(cfg, "train") is None
+    OmegaConf.update(cfg, "model.model_args.pretrained_model_name_or_path", str(other))
+    problem = resume_options_problem(cfg, "train")
+    assert problem.startswith(
+        f"resume_from_checkpoint={checkpoint} started from another model, {tiny_model_dir}"
+    )
+    assert f"than this run's {other} (weights sha1 " in problem
+    assert problem.endswith(
+        f"pretrained_model_name_or_path={tiny_model_dir}, or start a new run in another paths.output_dir"
+    )

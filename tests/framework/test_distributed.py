@@ -11,6 +11,9 @@ retain row, so the one-process run sees the same batches and its losses are the 
 
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +34,7 @@ from palu_trainer.spans.tpo_spans import read_tpo
 from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset
 from .test_integration import PALU_TRAIN, QUICK_RUN
+from .test_run_faults import preempted_after
 
 BIN = Path(sys.executable).parent
 FORGET_ROWS = 2
@@ -124,7 +128,8 @@ def fault_stacks(stderr: str) -> str:
     return "\n--- fault handler ---\n" + stderr[start : end if end > 0 else start + 8000][:8000] + "\n---\n"
 
 
-def run(launcher, overrides, data, model_dir, out_dir, processes):
+def launch(launcher, overrides, data, model_dir, out_dir, processes, steps=STEPS):
+    """The command line and environment of a run of `steps` steps on `processes` ranks."""
     mirror, annotations, *_ = data
     spans = [] if "trainer=NPO" in overrides else [f"span_annotations={annotations}"]
     command = [
@@ -133,7 +138,7 @@ def run(launcher, overrides, data, model_dir, out_dir, processes):
         *spans,
         "task_name=distributed",
         f"paths.output_dir={out_dir}",
-        f"++trainer.args.max_steps={STEPS}",
+        f"++trainer.args.max_steps={steps}",
         "trainer.args.per_device_train_batch_size=1",
         f"trainer.args.gradient_accumulation_steps={FORGET_ROWS // processes}",
         *GRADIENT_CHECKPOINTING,
@@ -157,6 +162,11 @@ def run(launcher, overrides, data, model_dir, out_dir, processes):
         "OMP_NUM_THREADS": "1",
         "PYTHONFAULTHANDLER": "1",
     }
+    return command, env
+
+
+def run(launcher, overrides, data, model_dir, out_dir, processes):
+    command, env = launch(launcher, overrides, data, model_dir, out_dir, processes)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + fault_stacks(result.stderr) + result.stderr[-8000:]
     history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
@@ -214,6 +224,18 @@ def assert_same_run(configuration, distributed, single, model_dir):
         assert float((update - single_update).norm()) <= 0.1 * float(single_update.norm()), name
 
 
+def zero3_launcher(zero3_config, port=None) -> list[str]:
+    return [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(zero3_config),
+        "--main_process_port",
+        str(port or free_port()),
+        str(PALU_TRAIN),
+    ]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "configuration",
@@ -228,15 +250,7 @@ def test_zero3_two_uneven_ranks(
 ):
     overrides, tied = CONFIGURATIONS[configuration]
     port = free_port()
-    launcher = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--config_file",
-        str(zero3_config),
-        "--main_process_port",
-        str(port),
-        str(PALU_TRAIN),
-    ]
+    launcher = zero3_launcher(zero3_config, port)
     lora = "LoRA" in configuration
     # LoRA: a checkpoint at the last step, with its optimizer state (resumable), as users save per epoch
     saving = (
@@ -293,3 +307,56 @@ def test_ddp_two_uneven_ranks(tmp_path, uneven_data, model_dirs, single_process)
     overrides = [*overrides, "trainer.args.ddp_find_unused_parameters=false"]
     distributed = run(launcher, overrides, uneven_data, model_dirs[tied], tmp_path, processes=2)
     assert_same_run(configuration, distributed, single_process[configuration], model_dirs[tied])
+
+
+RESUMED_STEPS = 6
+
+
+@pytest.mark.distributed
+@pytest.mark.stack
+def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
+    tmp_path, uneven_data, model_dirs, zero3_config
+):
+    """The documented path on a cluster: SIGTERM to the launcher writes a checkpoint and prints the command
+    that resumes it; run under the launcher again, it finishes with the losses of a run never stopped (the
+    reference cache comes back from the checkpoint: under ZeRO-3 it cannot be rebuilt before the
+    checkpoint's weights load)."""
+    overrides = [*CONFIGURATIONS["PALU-reference-cache-tied"][0], "trainer.args.save_only_model=false"]
+    model_dir = model_dirs[True]
+
+    def losses(out_dir):
+        history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
+        return {entry["step"]: entry for entry in history if "loss" in entry}
+
+    whole = tmp_path / "whole"
+    command, env = launch(
+        zero3_launcher(zero3_config), overrides, uneven_data, model_dir, whole, 2, RESUMED_STEPS
+    )
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+    stopped = tmp_path / "stopped"
+    command, env = launch(
+        zero3_launcher(zero3_config), overrides, uneven_data, model_dir, stopped, 2, RESUMED_STEPS
+    )
+    code, output = preempted_after(3, command, signal.SIGTERM, {**env, "PYTHONUNBUFFERED": "1"})
+    assert code != 0, output[-3000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+) of", output).group(1))
+    assert 3 <= step < RESUMED_STEPS, output[-3000:]
+    # the ranks end in one line each; the only traceback is the launcher's own (accelerate's SignalException)
+    assert output.count("Traceback") == output.count("got signal: 15") == 1, output[-6000:]
+    resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0].split("   (under")[0])
+    assert resume[-1] == f"+trainer.args.resume_from_checkpoint={stopped / f'checkpoint-{step}'}"
+    resumed = subprocess.run(
+        [*zero3_launcher(zero3_config), *resume[1:]], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert f"reference cache read from {stopped / f'checkpoint-{step}'}" in resumed.stdout + resumed.stderr
+    uninterrupted, continued = losses(whole), losses(stopped)
+    assert sorted(continued) == list(range(1, RESUMED_STEPS + 1))
+    for key in LOGGED["PALU"]:
+        for number in range(step + 1, RESUMED_STEPS + 1):
+            assert continued[number][key] == pytest.approx(uninterrupted[number][key], rel=1e-4), (
+                number,
+                key,
+            )

@@ -20,7 +20,7 @@ from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from .test_bad_inputs import BIN, QUICK_RUN
-from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after_three_steps, steps_logged
+from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after, steps_logged
 
 
 def framework_command(
@@ -153,8 +153,8 @@ def test_a_preemption_through_train_py_leaves_a_checkpoint_that_train_py_resumes
     arguments = framework_command(
         tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
     )
-    code, output = preempted_after_three_steps(
-        [sys.executable, "src/train.py", *arguments], preemption, environment(), cwd=checkout_dir()
+    code, output = preempted_after(
+        3, [sys.executable, "src/train.py", *arguments], preemption, environment(), cwd=checkout_dir()
     )
     assert code == 128 + preemption, output[-3000:]
     step = int(re.search(rf"train\.py: stopped by {preemption.name} after step (\d+) of 60", output).group(1))

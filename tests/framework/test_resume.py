@@ -1,7 +1,9 @@
 """Resuming: an interrupted run continues to the weights of an uninterrupted one, through train.py's call."""
 
 import json
+import os
 
+import numpy
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -152,6 +154,37 @@ def test_checkpoints_that_cannot_resume_are_refused(tmp_path):
         checkpoint_to_resume(str(model_only), str(tmp_path))
     torch.save({"state": {}}, model_only / "optimizer.pt")
     assert checkpoint_to_resume("true", str(tmp_path)) == str(model_only)
+
+
+class Payload:
+    """Unpickled, it runs a shell command: what a crafted checkpoint file could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_file_holding_a_pickle_payload_is_refused_before_anything_loads_it(tmp_path):
+    marker = tmp_path / "payload-ran"
+    folder = tmp_path / "checkpoint-2"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    # what real checkpoints hold besides tensors passes: numpy's RNG state, DeepSpeed's ZeRO stage and scaler
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"numpy": numpy.random.get_state()}, folder / "rng_state_0.pth")
+    optimizer_state = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0)}
+    torch.save(optimizer_state, folder / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert checkpoint_to_resume(str(folder), str(tmp_path)) == str(folder)
+    torch.save({"state": {}, "param_groups": [Payload(marker)]}, folder / "optimizer.pt")
+    with pytest.raises(FileNotFoundError, match=r"optimizer\.pt names posix\.system, which no checkpoint"):
+        checkpoint_to_resume(str(folder), str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint .*posix\.system"):
+        checkpoint_to_resume("true", str(tmp_path))
+    assert not marker.exists()
 
 
 def test_resume_true_skips_a_half_written_or_damaged_checkpoint_and_says_so(tmp_path):

@@ -1,6 +1,7 @@
 """palu-train end to end under faults that only show during training: divergence, a full disk and
 preemption (SIGTERM). Each run stops non-zero, leaves no folder that looks finished, and says what next."""
 
+import json
 import os
 import re
 import shlex
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from palu_trainer.training.run_guard import FAILED_RUN_FILE
+from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable
 from .test_bad_inputs import BIN, QUICK_RUN, run
@@ -27,13 +29,13 @@ def steps_logged(output: str) -> int:
     return len(re.findall(r"\{'loss': ", output))
 
 
-def preempted_after_three_steps(argv, preemption, env, cwd=None) -> tuple[int, str]:
-    """Run `argv`, send `preemption` once it has logged three steps; its exit code and whole output."""
+def preempted_after(steps: int, argv, preemption, env, cwd=None) -> tuple[int, str]:
+    """Run `argv`, send `preemption` once it has logged `steps` steps; its exit code and whole output."""
     process = subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    output, deadline = "", time.monotonic() + 300
-    while steps_logged(output) < 3 and time.monotonic() < deadline:
+    output, deadline = "", time.monotonic() + 600
+    while steps_logged(output) < steps and time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
             break
@@ -136,7 +138,7 @@ def test_a_preemption_writes_a_resumable_checkpoint_and_the_printed_command_resu
     ]
     env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [str(BIN / "palu-train"), *command, f"paths.output_dir={out}", *models, *overrides]
-    code, output = preempted_after_three_steps(argv, preemption, env)
+    code, output = preempted_after(3, argv, preemption, env)
     assert code == 128 + preemption, output[-3000:]
     step = int(
         re.search(rf"palu-train: stopped by {preemption.name} after step (\d+) of 60", output).group(1)
@@ -156,3 +158,96 @@ def test_a_preemption_writes_a_resumable_checkpoint_and_the_printed_command_resu
     assert f"resuming from {checkpoint}" in resumed.stdout + resumed.stderr
     assert steps_logged(resumed.stdout + resumed.stderr) == 60 - step
     assert (out / "model.safetensors").is_file() and not (out / FAILED_RUN_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_a_new_run_into_a_killed_runs_folder_stops_and_starting_over_clears_its_checkpoints(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    """SIGKILL leaves the run's lock and checkpoints: the stale lock is no licence for a new run to train
+    beside them (its rotation kept the dead run's checkpoint beside the new model); starting over on
+    purpose deletes them, and the folder then holds only the new run's."""
+    out = tmp_path / "run"
+    saving = [
+        "trainer.args.save_strategy=steps",
+        "+trainer.args.save_steps=2",
+        "trainer.args.save_only_model=false",
+    ]
+    models = [
+        f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
+        for args in ("model_args", "tokenizer_args")
+    ]
+    env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1"}
+    argv = [str(BIN / "palu-train"), *QUICK_RUN, f"paths.output_dir={out}", *models, *saving]
+    killed = subprocess.Popen(
+        [*argv, "+trainer.args.max_steps=60"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-2").is_dir() and time.monotonic() < deadline and killed.poll() is None:
+        time.sleep(0.2)
+    killed.kill()
+    killed.wait()
+    assert (out / "checkpoint-2").is_dir() and (out / LOCK_FILE).is_file()
+
+    code, output = run(QUICK_RUN, saving, tofu_mirror, tiny_model_dir, out)
+    assert code == 1, output[-3000:]
+    assert f"palu-train: paths.output_dir={out} holds an earlier run's checkpoints (checkpoint-" in output
+    assert (
+        "+trainer.args.resume_from_checkpoint=true, or start over with +allow_overwriting_output_dir=true"
+        in output
+    )
+    assert "Traceback" not in output
+
+    code, output = run(
+        QUICK_RUN,
+        [*saving, "+trainer.args.max_steps=4", "+allow_overwriting_output_dir=true"],
+        tofu_mirror,
+        tiny_model_dir,
+        out,
+    )
+    assert code == 0, output[-3000:]
+    assert "removed an earlier run's checkpoints" in output
+    kept = {
+        path.name: json.loads((path / "trainer_state.json").read_text()) for path in out.glob("checkpoint-*")
+    }
+    assert sorted(kept) == ["checkpoint-2", "checkpoint-4"]
+    assert all(state["max_steps"] == 4 for state in kept.values())  # the new run's, none of the killed one's
+    assert (out / "model.safetensors").is_file() and not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_a_checkout_in_the_working_directory_does_not_override_the_chosen_one(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    """palu-train started in another open-unlearning checkout (its modules refuse to be imported) trains
+    with the checkout `make setup` recorded, and logs which one it imported and why."""
+    from palu_trainer.framework.checkout import CHECKOUT_RECORD, checkout_dir
+
+    decoy = tmp_path / "decoy"
+    for package in ("trainer", "data", "model"):
+        (decoy / "src" / package).mkdir(parents=True)
+        (decoy / "src" / package / "__init__.py").write_text("raise RuntimeError('the decoy was imported')\n")
+    (decoy / "src" / "trainer" / "unlearn").mkdir()
+    (decoy / "src" / "trainer" / "unlearn" / "base.py").write_text("")
+    env = {key: value for key, value in os.environ.items() if key != "OPEN_UNLEARNING_DIR"}
+    models = [
+        f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
+        for args in ("model_args", "tokenizer_args")
+    ]
+    result = subprocess.run(
+        [str(BIN / "palu-train"), *QUICK_RUN, f"paths.output_dir={tmp_path / 'run'}", *models],
+        cwd=decoy,
+        env={**env, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert (
+        f"open-unlearning imported from {checkout_dir()} (recorded by make setup in {CHECKOUT_RECORD})"
+        in output
+    )
+    assert "decoy" not in output

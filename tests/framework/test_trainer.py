@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.method.reference_cache import count_positions, estimated_nbytes
+from palu_trainer.method.reference_cache import ReferenceCache, count_positions, estimated_nbytes
 from palu_trainer.method.roles import count_roles
 from palu_trainer.training.run_guard import RunStopped
 
 ensure_importable()
 
-from palu_trainer.framework.trainers.palu import PALUTrainer  # noqa: E402
+from palu_trainer.framework.trainers.palu import REFERENCE_CACHE_FILE, PALUTrainer  # noqa: E402
 
 
 def test_training_moves_the_model_and_never_the_reference(make_trainer):
@@ -48,6 +48,32 @@ def test_cached_run_keeps_no_reference_model(make_trainer):
     )
     positions = count_positions(item["token_roles"] for item in trainer.train_dataset.forget.items)
     assert estimated_nbytes(*positions, 64, 512, torch.float32) == cache.nbytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_reference_cache_travels_in_a_checkpoint_file_unchanged(make_trainer, tmp_path, dtype):
+    """Saved as safetensors (no pickle) with its settings and read back, every row's tables are equal, the
+    empty one included, and so are a batch's targets."""
+    trainer = make_trainer(max_steps=1, top_k=64, reference_cache_dtype=dtype)
+    trainer.train()
+    cache, path = trainer.reference_cache, tmp_path / REFERENCE_CACHE_FILE
+    cache.save(path, {"top_k": "64"})
+    loaded, settings = ReferenceCache.load(path)
+    assert settings == {"top_k": "64"} and loaded.kl_direction == cache.kl_direction
+    for part in ("initiating", "common"):
+        tables, loaded_tables = getattr(cache, part), getattr(loaded, part)
+        assert tables.keys() == loaded_tables.keys()
+        for name, table in tables.items():
+            assert table.keys() == loaded_tables[name].keys()
+            for row, tensor in table.items():
+                assert loaded_tables[name][row].dtype == tensor.dtype
+                assert torch.equal(loaded_tables[name][row], tensor), (part, name, row)
+    batch = trainer.data_collator([trainer.train_dataset.forget[i] for i in range(3)])
+    before = cache.targets(batch["index"], batch["token_roles"], "cpu")
+    after = loaded.targets(batch["index"], batch["token_roles"], "cpu")
+    for name, value in vars(after.initiating_targets).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, getattr(before.initiating_targets, name)), name
 
 
 def loss_and_gradients(trainer, batch):

@@ -105,6 +105,32 @@ def point(utility, quality, epoch=1):
     return Point(run, epoch, {"model_utility": utility, "forget_quality": quality})
 
 
+def test_the_selection_is_the_best_admissible_epoch_with_ties_to_mu_then_the_lower_rate():
+    original = {"model_utility": ORIGINAL_MU, "forget_quality": 1e-4}
+
+    def at(rate, epoch, utility, quality):
+        return Point(
+            Run("X", "X", 0, rate, {"lr": rate}), epoch, {"model_utility": utility, "forget_quality": quality}
+        )
+
+    points = [
+        at(1e-5, 10, 0.43, 2e-4),
+        at(3e-5, 2, 0.36, 5e-3),  # the best FQ at MU >= 0.352 (80% of 0.44): an early epoch
+        at(3e-5, 10, 0.0, 0.9),  # past the cliff: below the floor
+        at(1e-4, 4, 0.36, 5e-3),  # ties: same FQ and MU, higher rate
+        at(1e-4, 6, 0.35, 5e-3),  # same FQ, lower MU, and under the floor anyway
+    ]
+    chosen = converged.select_point(points, original)
+    assert (chosen.run.learning_rate, chosen.epoch) == (3e-5, 2)
+    points.append(at(1e-4, 2, 0.40, 5e-3))  # the same FQ at a higher MU wins over the lower rate
+    assert (
+        converged.select_point(points, original).run.learning_rate,
+        converged.select_point(points, original).epoch,
+    ) == (1e-4, 2)
+    nothing_moves = [at(3e-6, epoch, 0.43, 1e-4) for epoch in (1, 2, 10)] + [at(1e-4, 10, 0.1, 0.5)]
+    assert converged.select_point(nothing_moves, original) is None  # the Original's FQ at the floor
+
+
 def test_pareto_front_and_best_at_utility():
     points = [point(0.44, 1e-4), point(0.40, 1e-2), point(0.41, 1e-3), point(0.30, 1e-2), point(0.1, 0.5)]
     front = pareto_front(points)
@@ -121,7 +147,7 @@ def scenario(method: str, learning_rate: float, overrides: list[str], epoch: int
         method = "PALU-LoRA" if method == "PALU" else method
     if "trainer.method_args.target_gradient=true" in overrides:  # issue 59's form: no cliff
         method = "PALU-c-gradient"
-    strength = {3e-6: 0.03, 1e-5: 0.1, 3e-5: 0.5, 1e-4: 1.0, 3e-4: 2.0}[round(learning_rate, 12)]
+    strength = {3e-6: 0.03, 1e-5: 0.1, 2e-5: 0.3, 3e-5: 0.5, 1e-4: 1.0, 3e-4: 2.0}[round(learning_rate, 12)]
     base = {"GradDiff": 0.2, "NPO": 0.4, "SimNPO": 0.3, "TPO": 0.35, "PALU": 0.6, "PALU-LoRA": 0.3,
             "PALU-c-gradient": 0.5, "PALU_release": 0.45}[method]  # fmt: skip
     quality = min(1.0, 1e-4 * 10 ** (4 * base * strength * share))
@@ -249,12 +275,14 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert not list((out.parent / ".cache").glob("unlearn-*/checkpoint-*"))  # deleted once evaluated
     assert not list((out.parent / ".cache").glob("unlearn-*/model.safetensors"))
     summary = json.loads((out / "converged.json").read_text())
-    # 1e-4 forgets most at MU >= 80% on the last epoch for every method (3e-4 falls below it, and PALU's
-    # 3e-5 run falls off the cliff)
-    assert summary["selected"]["NPO"] == "NPO_lr0.0001_beta0.1_seed0"
-    assert summary["selected"]["PALU"].startswith("PALU_lr0.0001")
+    # at MU >= 80% the most forgetting is 3e-4 at epoch 6 (later epochs fall below the floor), and where 3e-4
+    # is held back (the c-gradient rows) 1e-4 at epoch 10; the knob values tie, the first kept
+    assert summary["selected"]["NPO"] == "NPO_lr0.0003_beta0.1_seed0"
+    assert summary["selected"]["PALU"] == "PALU_lr0.0003_lambda1_seed0"
+    assert summary["selected_epochs"]["PALU"] == summary["selected_epochs"]["NPO"] == 6
     assert summary["selected"]["PALU_cgrad"] == "PALU_lr0.0001_lambda1_c-gradient_seed0"
     assert summary["selected"]["PALU_release"] == "PALU_release_lr0.0001_alpha1_seed0"
+    assert summary["selected_epochs"]["PALU_release"] == 10
     # the new rows' runs in the pool's order: the first knob value at 3e-6 (the extension), 1e-5, 3e-5, 1e-4,
     # then the second at 3e-6 and 1e-5 (the rest held back)
     new = [
@@ -288,7 +316,7 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     assert len(cliff_lines) == 2 + 1 + len(CLIFF_VARIANTS) and set(cells) == {cells[0]}
     # the target ablation at PALU's selected setting: its runs carry that setting and one target each
     ablated = [o for o in framework.trained if any(p.startswith("trainer.method_args.target=") for p in o)]
-    selected_rate = "trainer.args.learning_rate=0.0001"
+    selected_rate = "trainer.args.learning_rate=1e-05"  # PALU's selection when the ablation ran
     targets_run = {
         p for o in ablated if selected_rate in o for p in o if p.startswith("trainer.method_args.t")
     }
@@ -318,6 +346,33 @@ def test_the_experiment_end_to_end_on_a_fake_framework(fake_experiment):
     )
     assert again["machine_time_h"] == pytest.approx(summary["machine_time_h"])
     assert "Fluency is — in every row" in markdown
+
+
+def test_the_broad_layout_runs_its_grid_and_a_method_without_an_admissible_point_gets_none(
+    fake_experiment, monkeypatch
+):
+    """`--layout broad`: the 20 tuning runs in their own folder, no PALU studies. With an Original that no
+    point beats on FQ, no row has an admissible point: none is selected, no seed runs, and the report says
+    so instead of naming a setting."""
+    framework, arguments, out = fake_experiment
+    unbeatable = {"forget_quality": 1.0, "model_utility": ORIGINAL_MU}
+    monkeypatch.setattr(
+        FakeMiniature,
+        "references",
+        lambda self: {"Original": EvaluatedModel(unbeatable), "Retain": EvaluatedModel(unbeatable)},
+    )
+    converged.main([*arguments, "--layout", "broad"])
+    assert len(framework.trained) == 20
+    broad = out.with_name("converged-broad-smollm2-tofu")
+    summary = json.loads((broad / "converged.json").read_text())
+    assert summary["selected"] == {"PALU": None, "NPO": None, "TPO": None}
+    assert summary["reading"] == ["PALU has no admissible point: no reading."]
+    markdown = (broad / "converged.md").read_text()
+    assert "| PALU: no admissible point | — |" in markdown
+    assert (
+        "Selected: PALU: no admissible point; NPO: no admissible point; TPO: no admissible point." in markdown
+    )
+    assert "## PALU's utility cliff" not in markdown and not out.exists()
 
 
 def test_an_archived_experiment_continues_on_a_machine_without_its_cache(fake_experiment, tmp_path):
@@ -365,8 +420,8 @@ def test_the_lora_rows_end_to_end_on_a_fake_framework(fake_experiment):
     assert rates == {f"trainer.args.learning_rate={rate}" for rate in (0.0001, 0.0003, 0.001, 0.003)}
     summary = json.loads((out / "lora" / "converged.json").read_text())
     assert summary["selected"] == {
-        "PALU LoRA": "PALU_LoRA_lr0.001_lambda1_seed0",
-        "NPO LoRA": "NPO_LoRA_lr0.001_beta0.1_seed0",
+        "PALU LoRA": "PALU_LoRA_lr0.003_lambda1_seed0",
+        "NPO LoRA": "NPO_LoRA_lr0.003_beta0.1_seed0",
     }
     assert summary["rows"]["PALU LoRA"]["forget_quality"]["seeds"] == 3
     assert summary["reading"][0].startswith("PALU LoRA beats none of NPO LoRA")

@@ -25,6 +25,7 @@ from palu_trainer.framework.training_arguments import (
 )
 from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
+from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options
 
@@ -131,9 +132,11 @@ def model_path_problem(cfg, script) -> str | None:
 
 
 def finished_folder_problem(cfg, script) -> str | None:
-    """A new run into a folder that holds a finished model or a failed run's marker, which it would replace
-    without a word: refused unless overwriting is asked for (`ALLOW_OVERWRITE`, or on transformers 4.x its
-    `overwrite_output_dir`) or the run resumes."""
+    """A new run into a folder that holds a finished model, a failed run's marker or an earlier run's
+    checkpoints (a run that was stopped or killed: its lock says nothing once its process is gone), which it
+    would replace or leave beside its own without a word: refused unless overwriting is asked for
+    (`ALLOW_OVERWRITE`, or on transformers 4.x its `overwrite_output_dir`; the run guard then deletes them
+    before the first step) or the run resumes."""
     args = cfg.trainer.args
     if (
         args.get("resume_from_checkpoint")
@@ -144,6 +147,14 @@ def finished_folder_problem(cfg, script) -> str | None:
         return None
     folder = Path(str(cfg.paths.output_dir)).expanduser()
     held = final_weights(folder) + ([FAILED_RUN_FILE] if (folder / FAILED_RUN_FILE).is_file() else [])
+    checkpoints = [path.name for path in checkpoints_newest_first(folder)]
+    if checkpoints and not held:
+        return (
+            f"paths.output_dir={folder} holds an earlier run's checkpoints ({', '.join(checkpoints)}) and no "
+            "final model: that run was stopped or killed. Resume it with "
+            f"+trainer.args.resume_from_checkpoint=true, or start over with {OVERWRITE_FLAG}, which deletes "
+            "them, or choose another paths.output_dir"
+        )
     if not held:
         return None
     what = "a failed run's marker" if held == [FAILED_RUN_FILE] else "a finished model"
@@ -154,10 +165,18 @@ def finished_folder_problem(cfg, script) -> str | None:
     )
 
 
+STARTING_MODEL = ("model", "model weights")  # run_options' keys of the model unlearning started from
+
+
 def run_options(cfg) -> dict:
-    """What a run's checkpoints are trained under, besides its data, as `key: value`: the trainer, its
-    `method_args` and the LoRA settings."""
-    options = {"trainer": cfg.trainer.get("handler")}
+    """What a run's checkpoints are trained under, besides its data, as `key: value`: the model it started
+    from (its path and `resume.weights_fingerprint`: the reference, whose targets PALU and the stock methods'
+    reference terms read), the trainer, its `method_args` and the LoRA settings."""
+    from palu_trainer.training.resume import weights_fingerprint
+
+    model = OmegaConf.select(cfg, "model.model_args.pretrained_model_name_or_path")
+    options = {STARTING_MODEL[0]: model, STARTING_MODEL[1]: weights_fingerprint(model) if model else None}
+    options["trainer"] = cfg.trainer.get("handler")
     for prefix, node in (("trainer.method_args", cfg.trainer.get("method_args")), ("peft", cfg.get("peft"))):
         values = OmegaConf.to_container(node, resolve=True) if node is not None else {}
         options.update({f"{prefix}.{key}": value for key, value in values.items()})
@@ -180,10 +199,21 @@ def resume_options_problem(cfg, script) -> str | None:
     if not path.is_file():
         return None  # a checkpoint of a run without the plugin's callback: nothing to compare
     then, now = json.loads(path.read_text()), run_options(cfg)
+    weights = STARTING_MODEL[1]
+    if then.get(weights) is not None and then[weights] != now[weights]:
+        started, asked = (
+            f"{o[STARTING_MODEL[0]]} (weights sha1 {str(o[weights])[:12]})" for o in (then, now)
+        )
+        return (
+            f"resume_from_checkpoint={checkpoint} started from another model, {started}, than this run's "
+            f"{asked}: the reference (PALU's targets and KL, the reference terms of NPO, SimNPO, DPO and "
+            "TPO) would change mid-run. Resume with model.model_args.pretrained_model_name_or_path="
+            f"{then[STARTING_MODEL[0]]}, or start a new run in another paths.output_dir"
+        )
     changed = [
         f"{key}: {then.get(key, '(unset)')!r} then, {now.get(key, '(unset)')!r} now"
         for key in sorted(set(then) | set(now), key=str)
-        if then.get(key) != now.get(key)
+        if then.get(key) != now.get(key) and key not in STARTING_MODEL  # a moved model folder resumes
     ]
     if not changed:
         return None

@@ -16,7 +16,7 @@ import torch
 from omegaconf import open_dict
 
 from palu_trainer.framework import lora
-from palu_trainer.training.resume import allow_numpy_rng_state
+from palu_trainer.training.resume import CHECKPOINT_GLOBALS
 from palu_trainer.training.run_guard import RunStopped
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,23 @@ INTERFACES = (
     ),
     ("hydra._internal.hydra.Hydra.get_mode", ("self", "config_name", "overrides")),
 )
+
+
+def allowing_checkpoint_globals() -> None:
+    """Let torch's weights-only `torch.load` (its default from torch 2.6) read the checkpoint files that
+    resuming loads: transformers 4.45's numpy RNG state (later transformers allowlist these numpy types
+    themselves) and DeepSpeed 0.15's optimizer state, which it loads with torch's defaults. Exactly
+    `resume.CHECKPOINT_GLOBALS`, those that this environment has."""
+    import importlib
+
+    allowed = []
+    for name in CHECKPOINT_GLOBALS:
+        module, _, attribute = name.rpartition(".")
+        try:
+            allowed.append(getattr(importlib.import_module(module), attribute))
+        except (ImportError, AttributeError):
+            continue  # numpy 1's or 2's name, a DeepSpeed not installed
+    torch.serialization.add_safe_globals(allowed)
 
 
 def loader_wrapper(step):
@@ -76,7 +93,7 @@ def resuming(trainer, trainer_args, checkpoint: str | None, allow_other_data: bo
         if warning or error:
             logger.warning(warning or error)
         logger.info("resuming from %s", checkpoint)
-        allow_numpy_rng_state()
+        allowing_checkpoint_globals()
         trainer.train = functools.partial(trainer.train, resume_from_checkpoint=checkpoint)
     return trainer, trainer_args
 
@@ -341,12 +358,13 @@ def saving_merged(trainer):
 
 
 @loader_wrapper
-def recording_options(trainer, trainer_args, cfg):
-    """A trainer whose checkpoints record the run's method options (`checks.run_options`), which a resume
-    compares (`checks.resume_options_problem`)."""
-    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord, run_options
+def recording_options(trainer, trainer_args, options: dict):
+    """A trainer whose checkpoints record the run's `options` (`checks.run_options`, read from the config
+    before the framework's get_model pops the model path out of it), which a resume compares
+    (`checks.resume_options_problem`)."""
+    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord
 
-    trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, run_options(cfg)))
+    trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, options))
     return trainer, trainer_args
 
 
@@ -381,7 +399,9 @@ def patch_framework_script(module, cfg) -> None:
     module.get_model = stopping_on_bad_input(get_model)
     if training:
         module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
-        module.load_trainer = recording_options(module.load_trainer, cfg)
+        from palu_trainer.framework.checks import run_options
+
+        module.load_trainer = recording_options(module.load_trainer, run_options(cfg))
 
 
 def patch_palu_train_script(module, checkpoint: str | None, allow_other_data: bool) -> None:

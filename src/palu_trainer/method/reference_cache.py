@@ -4,8 +4,10 @@ ever reads from the reference (no second model). A common position keeps the ref
 entries and their tail mass (`reference.TopMReference`): about m + 1 numbers instead of |V|.
 """
 
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,7 @@ from palu_trainer.method.roles import TokenRole
 
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX_BYTES = 4  # vocabulary entries are kept as int32
+PARTS = ("initiating", "common")
 
 
 @dataclass
@@ -58,6 +61,32 @@ class ReferenceCache:
         return TopMReference(
             InitiatingTargets(**batch(self.initiating)), self.kl_direction, **batch(self.common)
         )
+
+    def save(self, path: Path, settings: Mapping[str, str]) -> None:
+        """Write the cache to `path` as safetensors (no pickle), with the `settings` that produced it."""
+        from safetensors.torch import save_file
+
+        tensors = {
+            f"{part}/{name}/{row}": tensor.contiguous()
+            for part in PARTS
+            for name, table in getattr(self, part).items()
+            for row, tensor in table.items()
+        }
+        metadata = {"kl_direction": self.kl_direction, "settings": json.dumps(dict(settings), sort_keys=True)}
+        save_file(tensors, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple["ReferenceCache", dict[str, str]]:
+        """The cache `save` wrote to `path`, and the settings it was saved with."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as file:
+            metadata = file.metadata()
+            cache = cls(metadata["kl_direction"])
+            for key in file.keys():
+                part, name, row = key.split("/")
+                getattr(cache, part).setdefault(name, {})[int(row)] = file.get_tensor(key)
+        return cache, json.loads(metadata["settings"])
 
 
 def build_reference_cache(

@@ -1,10 +1,29 @@
 """Which checkpoint `trainer.args.resume_from_checkpoint` names, refused before anything loads if it cannot
-resume this run; what torch >= 2.6 must allow for transformers 4.45 to resume one."""
+resume this run or holds a pickled reference that a checkpoint does not need."""
 
+import hashlib
 import json
 from pathlib import Path
 
 NO_OPTIMIZER_STATE = "holds no optimizer state"
+# What a resumable checkpoint's pickled files hold besides tensors and containers: the numpy RNG state the
+# Trainer saves (`rng_state*.pth`), DeepSpeed's loss scaler and ZeRO stage (`global_step*/*optim_states.pt`).
+# torch >= 2.6 loads with its weights-only unpickler, which refuses any other class or function; these are
+# allowed to it (`patches.allowing_checkpoint_globals`) and nothing else, and a file naming any other one is
+# refused before anything loads it (`checkpoint_problem`): unpickling a class the unpickler may call can run
+# code.
+CHECKPOINT_GLOBALS = (
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.UInt32DType",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
+PICKLED_SUFFIXES = (".pt", ".pth", ".bin")
+NOT_LOADED_TO_RESUME = ("training_args.bin",)  # the Trainer writes it and never reads it back
 
 
 def checkpoint_to_resume(resume_from_checkpoint, output_dir: str, report=None) -> str | None:
@@ -79,11 +98,26 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
             elif path.suffix == ".safetensors":
                 with safe_open(str(path), "pt"):
                     pass
-            elif path.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(path):
+            elif path.suffix in PICKLED_SUFFIXES and not zipfile.is_zipfile(path):
                 raise ValueError("not a complete torch.save file")
         except Exception as error:  # noqa: BLE001 (any failure to read it is the damage reported)
             return f"{path.relative_to(checkpoint)} is damaged ({error}); the checkpoint cannot be resumed"
+        if path.suffix in PICKLED_SUFFIXES and path.name not in NOT_LOADED_TO_RESUME:
+            if unexpected := unexpected_globals(path):
+                return (
+                    f"{path.relative_to(checkpoint)} names {', '.join(unexpected)}, which no checkpoint of a "
+                    "run needs and which loading could run as code: refused, nothing was loaded. Resume only "
+                    "from checkpoints your own runs wrote"
+                )
     return None
+
+
+def unexpected_globals(path: Path) -> list[str]:
+    """The classes and functions the pickled file `path` refers to beyond `CHECKPOINT_GLOBALS`, read from
+    its pickle opcodes without running them."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    return sorted(set(get_unsafe_globals_in_checkpoint(path)) - set(CHECKPOINT_GLOBALS))
 
 
 def resumed_model_problem(checkpoint: str | None, model_path: str | None) -> str | None:
@@ -97,13 +131,30 @@ def resumed_model_problem(checkpoint: str | None, model_path: str | None) -> str
     return None
 
 
-def allow_numpy_rng_state() -> None:
-    """Let transformers 4.45 read a checkpoint's `rng_state.pth` under torch >= 2.6, whose `torch.load`
-    defaults to weights_only=True and rejects the numpy RNG state the Trainer saved (later transformers
-    allowlist these same numpy types)."""
-    import numpy
-    import torch
+SAMPLE_BYTES = 4096
 
-    torch.serialization.add_safe_globals(
-        [numpy._core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
-    )
+
+def weights_fingerprint(model: str) -> str | None:
+    """sha1 of a local model folder's weights, sampled: each weights file's safetensors header (names,
+    shapes, dtypes, offsets) and `SAMPLE_BYTES` at the start, middle and end of every tensor; two models of
+    one shape differ there unless almost all their weights are equal. None for a hub id or a folder without
+    safetensors weights."""
+    folder = Path(model).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    files = [path for path in files if path.name.startswith(("model", "adapter_model"))]
+    if not files:
+        return None
+    digest = hashlib.sha1()
+    for path in files:
+        with path.open("rb") as file:
+            header_size = int.from_bytes(file.read(8), "little")
+            header = file.read(header_size)
+            digest.update(header)
+            for name, entry in sorted(json.loads(header).items()):
+                if name == "__metadata__":
+                    continue
+                start, end = entry["data_offsets"]
+                for offset in sorted({start, (start + end) // 2, max(start, end - SAMPLE_BYTES)}):
+                    file.seek(8 + header_size + offset)
+                    digest.update(file.read(min(SAMPLE_BYTES, end - offset)))
+    return digest.hexdigest()

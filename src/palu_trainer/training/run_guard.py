@@ -144,10 +144,11 @@ class RunGuard(TrainerCallback):
         message = f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint{again}"
         print(f"{self.program}: {message}", file=sys.stderr, flush=True)
 
-    def check_plan(self) -> None:
+    def check_plan(self, resuming: bool) -> None:
         """Refuse a run that would train nothing or could not save, before its first step (the message alone,
-        under the framework's train.py too); clear an earlier run's failure mark and final weights, which the
-        config check (`checks.finished_folder_problem`) let through only when asked to overwrite or resume."""
+        under the framework's train.py too); clear an earlier run's failure mark and final weights, and unless
+        `resuming` its checkpoints, which the config check (`checks.finished_folder_problem`) let through only
+        when asked to overwrite or resume: no checkpoint outlives its run beside another run's model."""
         checks = [empty_epoch_problem, zero_learning_rate_problem, self._nonfinite_start_problem]
         for check in checks if self.allow_low_disk else [*checks, disk_space_problem]:
             if problem := check(self.trainer):
@@ -157,6 +158,15 @@ class RunGuard(TrainerCallback):
             (Path(output_dir) / FAILED_RUN_FILE).unlink(missing_ok=True)
             if removed := remove_stale_weights(output_dir):
                 logger.warning("removed an earlier run's final weights from %s: %s", output_dir, removed)
+            earlier = [] if resuming else checkpoints_newest_first(output_dir)
+            for checkpoint in earlier:
+                shutil.rmtree(checkpoint)
+            if earlier:
+                logger.warning(
+                    "removed an earlier run's checkpoints from %s: %s",
+                    output_dir,
+                    ", ".join(path.name for path in earlier),
+                )
 
     # -- divergence ---------------------------------------------------------------------------------------
 
@@ -297,6 +307,7 @@ class RunGuard(TrainerCallback):
                 shutil.rmtree(staging, ignore_errors=True)  # what an earlier killed save left
             trainer.accelerator.wait_for_everyone()
             saved = save_checkpoint(*args, **kwargs)
+            trainer.save_checkpoint_state(staging / folder.name)
             trainer.accelerator.wait_for_everyone()
             if trainer.is_world_process_zero():
                 shutil.rmtree(folder, ignore_errors=True)
@@ -328,7 +339,7 @@ class RunGuard(TrainerCallback):
     def train(self, train, *args, **kwargs):
         """The guarded trainer's `train`: the plan checked, SIGTERM and Ctrl-C turned into a checkpoint and
         the command that resumes it."""
-        self.check_plan()
+        self.check_plan(bool(kwargs.get("resume_from_checkpoint", args[0] if args else None)))
         main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
         handlers = {
             signum: signal.signal(signum, self._on_preemption)

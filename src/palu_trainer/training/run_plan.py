@@ -108,6 +108,7 @@ def disk_estimate(trainer) -> dict:
     if not trainer.args.save_only_model:
         per_parameter = ADAM_STATE_BYTES + (DEEPSPEED_MASTER_BYTES if trainer.is_deepspeed_enabled else 0)
         checkpoint_bytes += trainable * per_parameter
+    checkpoint_bytes += trainer.checkpoint_state_bytes()
     kept = checkpoints_kept(trainer, optimizer_steps(trainer))
     return {
         "model": model_bytes,

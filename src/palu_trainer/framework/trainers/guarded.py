@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.training.resume import allow_numpy_rng_state, checkpoint_to_resume
+from palu_trainer.framework.patches import allowing_checkpoint_globals
+from palu_trainer.training.resume import checkpoint_to_resume
 from palu_trainer.training.run_guard import RunGuard, RunStopped
 
 ensure_importable()
@@ -56,6 +57,14 @@ class GuardedTrainer:
 
     def train(self, *args, **kwargs):
         return self.run_guard.train(super().train, *args, **kwargs)
+
+    def save_checkpoint_state(self, folder: Path) -> None:
+        """Write what this trainer's checkpoints hold beyond the Trainer's own files into `folder`, the
+        checkpoint being written (called on every rank, before it is renamed into place)."""
+
+    def checkpoint_state_bytes(self) -> int:
+        """Bytes that `save_checkpoint_state` adds to each checkpoint (the run's disk estimate)."""
+        return 0
 
 
 def use_non_reentrant_checkpointing(args) -> None:
@@ -109,9 +118,9 @@ class GuardedGradDiff(GuardedTrainer, GradDiff):
             except (FileNotFoundError, ValueError) as error:
                 raise RunStopped(str(error)) from None
         if resume_from_checkpoint:
-            allow_numpy_rng_state()
-            self.before_resuming()
+            allowing_checkpoint_globals()
+            self.before_resuming(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def before_resuming(self) -> None:
+    def before_resuming(self, checkpoint: str) -> None:
         """What must happen before the checkpoint's weights replace the starting model's."""

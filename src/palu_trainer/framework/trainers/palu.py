@@ -1,6 +1,7 @@
 """PALUTrainer: wires PALU's objective (palu_trainer.method) into open-unlearning's GradDiff family."""
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from palu_trainer.method.options import PALUOptions
 from palu_trainer.method.reference import Reference
 from palu_trainer.method.reference_cache import (
     CACHE_DTYPES,
+    ReferenceCache,
     build_reference_cache,
     count_positions,
     describe,
@@ -22,10 +24,12 @@ from palu_trainer.method.reference_cache import (
 )
 from palu_trainer.method.roles import count_roles, forget_rows, label_positions
 from palu_trainer.training.projection import logit_projection
+from palu_trainer.training.run_guard import RunStopped
 from palu_trainer.training.vocabulary import reachable_vocab_size
 
 logger = logging.getLogger(__name__)
 
+REFERENCE_CACHE_FILE = "palu_reference_cache.safetensors"
 LOGGED_TERMS = ("local_loss", "kl_loss", "retain_loss", "n_initiating", "n_common", "n_redundant")
 
 
@@ -105,25 +109,79 @@ class PALUTrainer(GuardedGradDiff):
             return self._cache_fits()
         return bool(reference_cache)
 
-    def before_resuming(self) -> None:
-        """Resuming builds the reference cache first, from the weights handed to the trainer (the reference:
-        the model unlearning started from), before the checkpoint's weights replace them."""
-        if self.uses_reference_cache and self.reference_cache is None:
-            if self.is_deepspeed_enabled:
-                raise RuntimeError(
-                    "resuming under DeepSpeed loads the checkpoint before the reference cache can be built: "
-                    "resume with trainer.method_args.reference_cache=false"
+    def _reference_cache_settings(self) -> dict[str, str]:
+        """What the cached targets depend on besides the starting model and the forget data."""
+        return {
+            "top_k": str(self.objective.top_k),
+            "kl_direction": self.objective.kl_direction,
+            "reference_cache_top_m": str(self.reference_cache_top_m),
+            "reference_cache_dtype": str(self.reference_cache_dtype).removeprefix("torch."),
+        }
+
+    def save_checkpoint_state(self, folder: Path) -> None:
+        """The reference cache travels with each resumable checkpoint, so that a resumed run reads the
+        targets it started with, on any number of ranks (each holds the whole cache; rank 0 writes it)."""
+        if (
+            self.reference_cache is not None
+            and not self.args.save_only_model
+            and self.is_world_process_zero()
+        ):
+            self.reference_cache.save(folder / REFERENCE_CACHE_FILE, self._reference_cache_settings())
+
+    def before_resuming(self, checkpoint: str) -> None:
+        """The reference cache of a resumed run: the checkpoint's, else built from the weights handed to the
+        trainer (the reference: the model unlearning started from), before the checkpoint's replace them.
+        Under DeepSpeed the weights load with the engine, before a cache could be built: the checkpoint's
+        is needed."""
+        if not self.uses_reference_cache or self.reference_cache is not None:
+            return
+        saved = Path(checkpoint) / REFERENCE_CACHE_FILE
+        if saved.is_file():
+            cache, settings = ReferenceCache.load(saved)
+            wanted = self._reference_cache_settings()
+            if settings != wanted:
+                raise RunStopped(
+                    f"{saved} was built with {settings}, this run asks for {wanted}: resume with the "
+                    "options the run started with"
                 )
+            self.reference_cache = cache
+            logger.info(
+                "reference cache read from %s: %s",
+                saved,
+                describe(cache, self.objective.top_k, self.reference_cache_dtype),
+            )
+        elif self.is_deepspeed_enabled:
+            raise RunStopped(
+                f"{checkpoint} holds no reference cache ({REFERENCE_CACHE_FILE}), and under DeepSpeed it "
+                "cannot be rebuilt before the checkpoint's weights load: resume from a checkpoint this "
+                "version wrote, or start the run again"
+            )
+        else:
             self.reference_cache = self._build_reference_cache(self.model)
+
+    def _estimated_cache_bytes(self) -> int:
+        """Host bytes of the forget set's reference cache, estimated before it is built."""
+        forget = getattr(self.train_dataset, "forget", None)
+        if forget is None:
+            return 0
+        positions = count_positions(forget[index]["token_roles"] for index in range(len(forget)))
+        top_k, top_m, dtype = self.objective.top_k, self.reference_cache_top_m, self.reference_cache_dtype
+        return estimated_nbytes(*positions, top_k, top_m, dtype, self.objective.kl_direction)
+
+    def checkpoint_state_bytes(self) -> int:
+        """The reference cache that each resumable checkpoint holds (`save_checkpoint_state`)."""
+        return (
+            self._estimated_cache_bytes()
+            if self.uses_reference_cache and not self.args.save_only_model
+            else 0
+        )
 
     def _cache_fits(self) -> bool:
         """Whether the estimated cache of the forget set fits `reference_cache_max_gib` (checked per rank)."""
-        forget = getattr(self.train_dataset, "forget", None)
-        if forget is None:
+        if getattr(self.train_dataset, "forget", None) is None:
             return True
-        positions = count_positions(forget[index]["token_roles"] for index in range(len(forget)))
         top_k, top_m, dtype = self.objective.top_k, self.reference_cache_top_m, self.reference_cache_dtype
-        gib = estimated_nbytes(*positions, top_k, top_m, dtype, self.objective.kl_direction) / 2**30
+        gib = self._estimated_cache_bytes() / 2**30
         fits = gib <= self.options.reference_cache_max_gib
         (logger.info if fits else logger.warning)(
             "reference_cache=auto: the forget set's cache is estimated at %.3f GiB of host memory per rank "
