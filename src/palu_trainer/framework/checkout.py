@@ -50,9 +50,20 @@ def checkout_dir() -> Path:
     return checkout_choice()[0]
 
 
+_imported: list[tuple[Path, str]] = []  # the first `ensure_importable`'s checkout and why
+
+
+def imported_checkout() -> tuple[Path, str]:
+    """The checkout this process imports the framework from, and why (`checkout_choice` when it was made)."""
+    return _imported[0] if _imported else checkout_choice()
+
+
 def ensure_importable() -> Path:
     """Put the checkout's `src/` on sys.path (as its scripts do) and return that directory."""
-    src = checkout_dir() / "src"
+    checkout, why = checkout_choice()
+    src = checkout / "src"
+    if not _imported:
+        _imported.append((checkout, why))
     if not is_checkout(src.parent):
         tested = ", ".join(f"{commit} with {stack}" for commit, stack in TESTED_COMMITS.items())
         raise RuntimeError(

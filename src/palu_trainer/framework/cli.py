@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from palu_trainer.framework.checkout import checkout_choice, ensure_importable
+from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
 from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
 from palu_trainer.framework.registry import register
@@ -103,7 +103,6 @@ def run_framework_script(script: str, config_name: str) -> None:
 
     @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
     def main(cfg):
-        logger.info("open-unlearning imported from %s (%s)", *checkout_choice())
         runtime = HydraConfig.get().runtime.choices.get("runtime")
         refuse(prog, checks.cpu_runtime_missing(runtime, torch.cuda.is_available()))
         try:

@@ -2,7 +2,6 @@
 `src/eval.py`, checks a run's config, takes a training run's output folder and wraps the framework's loaders,
 as palu-train and palu-eval do in every run (docs/layout.md)."""
 
-import logging
 import sys
 
 from hydra.experimental.callback import Callback
@@ -10,7 +9,6 @@ from hydra.experimental.callback import Callback
 
 class FrameworkScript(Callback):
     def on_job_start(self, config, **kwargs) -> None:
-        from palu_trainer.framework.checkout import checkout_choice
         from palu_trainer.framework.checks import config_problems
         from palu_trainer.framework.patches import patch_framework_script
         from palu_trainer.training.run_guard import RunStopped
@@ -22,7 +20,6 @@ class FrameworkScript(Callback):
         if module is None:
             return
         script = "train" if hasattr(module, "load_trainer") else "eval"
-        logging.getLogger(__name__).info("open-unlearning imported from %s (%s)", *checkout_choice())
         problems = config_problems(config, script)
         if problems:
             raise RunStopped("\n".join(problems))

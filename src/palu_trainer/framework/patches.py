@@ -16,6 +16,7 @@ import torch
 from omegaconf import open_dict
 
 from palu_trainer.framework import lora
+from palu_trainer.framework.checkout import imported_checkout
 from palu_trainer.training.resume import CHECKPOINT_GLOBALS
 from palu_trainer.training.run_guard import RunStopped
 
@@ -389,6 +390,7 @@ def patch_framework_script(module, cfg) -> None:
     if getattr(module, PATCHED, False):
         return  # palu-train patches every run; a config's Hydra callback asks again
     setattr(module, PATCHED, True)
+    logger.info("open-unlearning imported from %s (%s)", *imported_checkout())
     get_model = upcasting_evaluation_logits(
         checking_vocabulary(merging_adapter_checkpoints(module.get_model))
     )
