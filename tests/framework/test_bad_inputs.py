@@ -585,3 +585,29 @@ def test_a_resume_from_another_starting_model_of_the_same_shape_stops_naming_bot
     assert problem.endswith(
         f"pretrained_model_name_or_path={tiny_model_dir}, or start a new run in another paths.output_dir"
     )
+
+
+def test_palu_eval_on_the_folder_of_a_run_still_going_says_so_not_interrupted(tmp_path):
+    """A folder whose run still holds its lock (this process: alive) is being written, whether its final
+    save is under way or it is still training; a gone run's lock is no reason to refuse."""
+    import socket
+
+    from palu_trainer.training.run_lock import LOCK_FILE
+
+    folder = tmp_path / "run"
+    (folder / "checkpoint-4").mkdir(parents=True)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": 0, "command": "palu-train ..."}
+    (folder / LOCK_FILE).write_text(json.dumps(record))
+    cfg, problems = composed(
+        ["experiment=eval/tofu/default", f"model.model_args.pretrained_model_name_or_path={folder}"]
+    )
+    (problem,) = [p for p in problems(cfg, "eval") if p.startswith("model.model_args")]
+    key = "model.model_args.pretrained_model_name_or_path"
+    assert problem.startswith(
+        f"{key}={folder} belongs to a run that is still going (process {os.getpid()} on "
+    )
+    assert problem.endswith("evaluate the folder once that run has finished")
+    record["pid"] = 2**22 + 1  # above pid_max: a run that is gone
+    (folder / LOCK_FILE).write_text(json.dumps(record))
+    (problem,) = [p for p in problems(cfg, "eval") if p.startswith("model.model_args")]
+    assert "is an interrupted run's folder" in problem

@@ -30,6 +30,8 @@ from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.method.roles import label_positions
 from palu_trainer.spans.format import write_annotations
 from palu_trainer.spans.tpo_spans import read_tpo
+from palu_trainer.training.run_guard import FAILED_RUN_FILE
+from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl, tied_and_untied_models
 from .test_datasets import span_dataset
@@ -360,3 +362,60 @@ def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
                 number,
                 key,
             )
+
+
+def rank_process(rank: int, port: int) -> int:
+    """The pid of the launched process with RANK=`rank` on MASTER_PORT=`port`."""
+    wanted = {f"RANK={rank}".encode(), f"MASTER_PORT={port}".encode()}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if wanted <= set(environ.read_bytes().split(b"\0")):
+                return int(environ.parent.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process with RANK={rank} on port {port}")
+
+
+@pytest.mark.distributed
+def test_a_killed_rank_ends_the_run_in_one_line_marked_failed_and_the_next_run_clears_its_litter(
+    tmp_path, uneven_data, model_dirs, zero3_config
+):
+    """SIGKILL to one rank of a ZeRO-3 run: the other stops within seconds in one line that says what
+    happened and how to resume, the folder is marked failed and unlocked, the surviving rank's
+    shared-memory buffer is released; the killed rank's, which nothing could release, goes with the next
+    run's start."""
+    port = free_port()
+    out = tmp_path / "run"
+    overrides = [*CONFIGURATIONS["PALU-reference-cache-tied"][0], "trainer.args.save_only_model=false"]
+    command, env = launch(
+        zero3_launcher(zero3_config, port), overrides, uneven_data, model_dirs[True], out, 2, steps=60
+    )
+    process = subprocess.Popen(
+        command,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = ""
+    while output.count("{'loss': ") < 2:
+        line = process.stdout.readline()
+        assert line, output[-3000:]
+        output += line
+    os.kill(rank_process(1, port), signal.SIGKILL)
+    output += process.communicate(timeout=300)[0]
+    assert process.returncode != 0
+    assert "palu-train: another process of this run stopped (" in output, output[-6000:]
+    assert (out / FAILED_RUN_FILE).is_file() and not (out / LOCK_FILE).exists()
+    buffers = sorted(
+        path.name for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
+    )
+    assert all(name.endswith(f"_{port}_1") for name in buffers), buffers  # rank 0's released
+    if buffers:
+        command, env = launch(
+            [str(PALU_TRAIN)], overrides, uneven_data, model_dirs[True], tmp_path / "next", 1
+        )
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        # any training run's start removes it (here this one's, unless another started first)
+        assert not (Path("/dev/shm") / buffers[0]).exists()

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, R
 from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR
 from palu_trainer.training.run_lock import LOCK_FILE
 
+from ..conftest import unavailable
 from .test_bad_inputs import BIN, QUICK_RUN
 from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after, steps_logged
 
@@ -43,21 +45,24 @@ def environment() -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_framework_train(arguments, timeout=600, python=sys.executable) -> subprocess.CompletedProcess:
+def run_framework_train(
+    arguments, timeout=600, python=sys.executable, env=None
+) -> subprocess.CompletedProcess:
     """The framework's src/train.py in its checkout, run by `python` (this environment's, or one with only
     the built wheel installed)."""
     return subprocess.run(
-        [python, "src/train.py", *arguments], cwd=checkout_dir(), env=environment(),
+        [python, "src/train.py", *arguments], cwd=checkout_dir(), env=env or environment(),
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
-def train_through(entry_point: str, arguments) -> subprocess.CompletedProcess:
-    """palu-train, or the framework's own src/train.py, on the same arguments."""
+def train_through(entry_point: str, arguments, **environ) -> subprocess.CompletedProcess:
+    """palu-train, or the framework's own src/train.py, on the same arguments (`environ` added)."""
+    env = {**environment(), **environ}
     if entry_point == "src/train.py":
-        return run_framework_train(arguments)
+        return run_framework_train(arguments, env=env)
     return subprocess.run(
-        [str(BIN / "palu-train"), *arguments], env=environment(), capture_output=True, text=True, timeout=600
+        [str(BIN / "palu-train"), *arguments], env=env, capture_output=True, text=True, timeout=600
     )
 
 
@@ -469,3 +474,104 @@ def test_two_runs_into_one_folder_through_both_entry_points(tmp_path, tiny_model
     assert again.returncode == 0, output[-3000:]
     assert f"took over {out / LOCK_FILE} from a run that is gone (process {first.pid} on" in output
     assert (out / "model.safetensors").is_file() and not (out / LOCK_FILE).exists()
+
+
+def planted_checkpoint(out, step: int = 2) -> Path:
+    """A resumable-looking checkpoint of an earlier run in `out`."""
+    import torch
+
+    checkpoint = out / f"checkpoint-{step}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": 1.0}))
+    torch.save({"state": {}, "param_groups": []}, checkpoint / "optimizer.pt")
+    return checkpoint
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_the_fifth_sweeps_refusals_through_both_entry_points(
+    tmp_path, tiny_model_dir, tofu_mirror, entry_point
+):
+    """Each stops before loading, in one line: an offline hub id and a mistyped path; a new run beside an
+    earlier run's checkpoints; a resume from a checkpoint holding a pickle payload (never loaded); a resume
+    from a checkpoint that started from another model."""
+    import torch
+
+    out = tmp_path / "run"
+    prefix = f"{program(entry_point)}: "
+    for model, said in (
+        (
+            "nobody/no-such-model",
+            "is not a local folder, not in the Hugging Face cache, and the hub cannot be reached",
+        ),
+        ("saves/unlearn/typo", "no such folder (a hub id is owner/name)"),
+    ):
+        arguments = framework_command(tofu_mirror, model, out, [])
+        result = train_through(entry_point, arguments, HF_HUB_OFFLINE="1")
+        output = result.stdout + result.stderr
+        assert (
+            result.returncode == 1
+            and f"{prefix}model.model_args.pretrained_model_name_or_path={model}" in output
+        )
+        assert said in output and "Traceback" not in output, output[-3000:]
+
+    checkpoint = planted_checkpoint(out)
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, []))
+    assert (
+        f"{prefix}paths.output_dir={out} holds an earlier run's checkpoints (checkpoint-2) and no final model"
+        in output
+    )
+
+    resume = ["+trainer.args.resume_from_checkpoint=true"]
+    marker = tmp_path / "payload-ran"
+    torch.save({"state": {}, "param_groups": [Payload(marker)]}, checkpoint / "optimizer.pt")
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resume))
+    assert "optimizer.pt names posix.system, which no checkpoint of a run needs" in output, output[-3000:]
+    assert not marker.exists() and "Traceback" not in output
+
+    torch.save({"state": {}, "param_groups": []}, checkpoint / "optimizer.pt")
+    (checkpoint / RUN_OPTIONS_FILE).write_text(
+        json.dumps({"model": "/elsewhere/other-model", "model weights": "0" * 40, "trainer": "PALUTrainer"})
+    )
+    output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, resume))
+    assert f"resume_from_checkpoint={checkpoint} started from another model, /elsewhere/other-model" in output
+    assert f"than this run's {tiny_model_dir} (weights sha1 " in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_a_crash_in_training_ends_in_one_line_and_marks_the_folder_failed(
+    tmp_path, tiny_model_dir, tofu_mirror, entry_point
+):
+    """The datasets cache on a read-only filesystem: the run stops in one line naming the file and the fix,
+    marks its folder failed (palu-eval refuses it) and leaves no lock."""
+    cache = tmp_path / "read-only"
+    cache.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(cache)], capture_output=True, text=True
+    )
+    if mounted.returncode:
+        unavailable(f"a read-only filesystem needs `mount -t tmpfs` (root): {mounted.stderr.strip()}")
+    try:
+        out = tmp_path / "run"
+        arguments = framework_command(tofu_mirror, tiny_model_dir, out, [])
+        result = train_through(entry_point, arguments, HF_DATASETS_CACHE=str(cache))
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert re.search(
+        rf"{program(entry_point)}: {cache}\S* cannot be used: Read-only file system\. Give this user access",
+        output,
+    ), output[-3000:]
+    assert "Traceback" not in output
+    assert json.loads((out / FAILED_RUN_FILE).read_text())["reason"] == "crashed"
+    assert not (out / LOCK_FILE).exists()

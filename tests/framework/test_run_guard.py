@@ -3,6 +3,7 @@
 
 import json
 import math
+import shutil
 import signal
 from pathlib import Path
 
@@ -178,6 +179,7 @@ def test_the_disk_estimate_matches_what_the_run_writes(make_trainer, monkeypatch
     assert estimate["model"] == pytest.approx(model_bytes, rel=0.01)
     assert estimate["checkpoint"] == pytest.approx(checkpoint_bytes, rel=0.05)
 
+    shutil.rmtree(output / "checkpoint-3")  # a new run's estimate: no checkpoint on disk yet
     free = {"free": estimate["total"] - 1}
     monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), free))
     problem = disk_space_problem(trainer)
@@ -211,3 +213,38 @@ def test_a_second_ctrl_c_stops_at_once(make_trainer):
     assert guard.preempted_by == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
         guard._on_preemption(signal.SIGINT, None)
+
+
+@pytest.mark.parametrize(
+    "folder",
+    ["/runs/plain-name_1.0/checkpoint-4", "/runs/a b/checkpoint-4", "/runs/x=y,z[1]/c", "/runs/it's $HOME/c"],
+)
+def test_the_printed_resume_override_reads_back_as_the_checkpoint_through_the_shell_and_hydra(folder):
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from palu_trainer.training.run_guard import hydra_quoted
+
+    typed = shlex.join(["palu-train", f"+trainer.args.resume_from_checkpoint={hydra_quoted(folder)}"])
+    (override,) = OverridesParser.create().parse_overrides(shlex.split(typed)[1:])
+    assert override.value() == folder
+
+
+def test_checkpoints_already_in_the_folder_are_not_counted_again_when_resuming(make_trainer):
+    """After a full disk was cleared, the resumed run needs room for what it has yet to write, not a whole
+    run's: the checkpoints on disk already hold theirs."""
+    from palu_trainer.training.run_plan import SAVE_MARGIN
+
+    trainer = make_trainer(
+        max_steps=3,
+        top_k=64,
+        training_arguments={"save_strategy": "steps", "save_steps": 1, "save_total_limit": 1},
+    )
+    fresh = disk_estimate(trainer)
+    for step in (1, 2):
+        (Path(trainer.args.output_dir) / f"checkpoint-{step}").mkdir(parents=True)
+    resumed = disk_estimate(trainer)
+    assert fresh["checkpoints"] == resumed["checkpoints"] == 2
+    assert fresh["total"] == int(SAVE_MARGIN * (fresh["model"] + 2 * fresh["checkpoint"]))
+    assert resumed["total"] == int(SAVE_MARGIN * resumed["model"])

@@ -183,3 +183,20 @@ def test_annotate_names_a_config_the_folder_lacks(tmp_path, capsys, tofu_dir):
     assert (
         code == 1 and "(--name forget77, --split train) could not be loaded: BuilderConfig 'forget77'" in err
     )
+
+
+def test_a_huge_value_is_named_by_an_excerpt_and_a_deeply_nested_row_is_refused(tmp_path):
+    """A 50 MB span value is not echoed whole into the message; JSON nested past Python's recursion limit
+    is one line, not a RecursionError."""
+    from palu_trainer.spans.format import AnnotationError, fingerprint, read_annotations, validate_annotations
+
+    answer = "Jaime Vasquez was born in Santiago."
+    huge = "x" * 50_000_000
+    row = {"index": 0, "answer_sha1": fingerprint(answer), "spans": huge}
+    with pytest.raises(AnnotationError) as raised:
+        validate_annotations([row], [answer], "spans.jsonl")
+    assert len(str(raised.value)) < 300 and "(50,000,002 characters)" in str(raised.value)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"index": 0, "spans": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(AnnotationError, match=r"deep\.jsonl line 1: JSON nested too deeply"):
+        read_annotations(deep)

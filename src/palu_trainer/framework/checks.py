@@ -27,6 +27,7 @@ from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
 from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
+from palu_trainer.training.run_lock import running_run
 from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options
 
 
@@ -91,17 +92,63 @@ def is_local_path(value: str) -> bool:
     return value.startswith((".", "/", "~")) or Path(value).expanduser().exists()
 
 
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub answers within a second and a half (HF_HUB_OFFLINE: no)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection((urlparse(constants.ENDPOINT).hostname, 443), timeout=1.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def hub_model_problem(key: str, value: str, file_name: str) -> str | None:
+    """A model reference that is no local folder: a path that does not exist (a hub id is `owner/name`), or a
+    hub id that is not in the local cache while the hub cannot be reached. Found before loading, in seconds,
+    instead of the hub client's retries and tracebacks."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if value.count("/") > 1:
+        return f"{key}={value}: no such folder (a hub id is owner/name); give a saved model folder"
+    try:
+        cached = try_to_load_from_cache(value, file_name)
+    except ValueError:  # not a valid repo id either
+        return f"{key}={value}: no such folder, and not a hub id; give a saved model folder"
+    if isinstance(cached, str) or hub_reachable():
+        return None
+    return (
+        f"{key}={value} is not a local folder, not in the Hugging Face cache, and the hub cannot be reached "
+        "(offline): give the path of a saved model folder (a mistyped path reads as a hub id), or download "
+        "the model where the hub is reachable"
+    )
+
+
 def model_path_problem(cfg, script) -> str | None:
     """A local model or tokenizer folder that is not a saved model: missing, or an interrupted run's."""
     needs = {"model_args": ("config.json",), "tokenizer_args": ("tokenizer_config.json", "tokenizer.json")}
     for args, files in needs.items():
         key = f"model.{args}.pretrained_model_name_or_path"
         value = OmegaConf.select(cfg, key)
-        if not isinstance(value, str) or not is_local_path(value):
-            continue  # unset, or a hub id
+        if not isinstance(value, str):
+            continue
+        if not is_local_path(value):
+            if problem := hub_model_problem(key, value, files[0]):
+                return problem
+            continue
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"
+        if running := running_run(path):
+            return (
+                f"{key}={value} belongs to a run that is still going ({running}): its final model is saved "
+                "last; evaluate the folder once that run has finished"
+            )
         if failed := failed_run_problem(key, path):
             return failed
         if any((path / name).is_file() for name in files):

@@ -4,7 +4,6 @@ mirrors (`TOFU_DIR`, `MUSE_DIR`)."""
 
 import importlib
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mir
 from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
 from palu_trainer.framework.registry import register
 from palu_trainer.framework.stack import compute_loss_problem, stack_problem
+from palu_trainer.training.crashes import crash_problem, mark_crashed
 from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
 from palu_trainer.training.run_lock import take_output_folder
 
@@ -135,7 +135,8 @@ def run_framework_script(script: str, config_name: str) -> None:
         except checks.BadInput as error:
             sys.exit(f"{prog}: {error}")
         except Exception as error:
-            refuse(prog, hub_hint(error))
+            crashed = mark_crashed(cfg.paths.output_dir, error) if script == "train" else crash_problem(error)
+            refuse(prog, hub_hint(error) or crashed)
             raise
 
     main()
@@ -148,14 +149,8 @@ def release_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank()
         dist.barrier()
         dist.destroy_process_group()
-        # DeepSpeed 0.15's CPU shared-memory allreduce (ZeRO on CPU) never unlinks its buffer: each rank of
-        # each run left 66 MB of RAM behind until reboot (none on GPUs)
-        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}")
-        buffer.unlink(missing_ok=True)
 
 
 def train_main() -> None:

@@ -26,4 +26,21 @@ class FrameworkScript(Callback):
         taken = script == "train" and take_output_folder(config.paths.output_dir)
         if taken:
             raise RunStopped(taken)
+        self.training = script == "train"
         patch_framework_script(module, config)
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        """A run that raised: its folder marked failed, and the crashes a user can fix told in one line
+        (`training.crashes`); anything else keeps Hydra's own report."""
+        from hydra.core.utils import JobStatus
+
+        from palu_trainer.training.crashes import crash_problem, mark_crashed
+        from palu_trainer.training.run_guard import RunStopped
+
+        if job_return.status != JobStatus.FAILED:
+            return
+        error = job_return._return_value
+        training = getattr(self, "training", False)
+        problem = mark_crashed(config.paths.output_dir, error) if training else crash_problem(error)
+        if problem:
+            raise RunStopped(problem)

@@ -6,6 +6,7 @@ Each patch says what needs it; `INTERFACES` lists what they rely on, which tests
 checks on every tested stack.
 """
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -17,6 +18,7 @@ from omegaconf import open_dict
 
 from palu_trainer.framework import lora
 from palu_trainer.framework.checkout import imported_checkout
+from palu_trainer.training import crashes
 from palu_trainer.training.resume import CHECKPOINT_GLOBALS
 from palu_trainer.training.run_guard import RunStopped
 
@@ -385,12 +387,22 @@ def stopping_on_bad_input(load):
     return checked
 
 
+def releasing_shared_memory() -> None:
+    """DeepSpeed 0.15's CPU allreduce buffers (ZeRO on the CPU), which it never unlinks: this rank's at
+    every exit that Python sees, and those of runs killed outright, which no live process maps, now."""
+    if os.environ.get("RANK", "0") == "0" and (stale := crashes.remove_stale_shared_memory()):
+        logger.warning("removed the shared-memory buffers of runs that are gone: %s", ", ".join(stale))
+    atexit.register(crashes.release_shared_memory)
+
+
 def patch_framework_script(module, cfg) -> None:
     """Wrap the loaders of the running framework script (`module`: train.py or eval.py) for the run `cfg`."""
     if getattr(module, PATCHED, False):
         return  # palu-train patches every run; a config's Hydra callback asks again
     setattr(module, PATCHED, True)
     logger.info("open-unlearning imported from %s (%s)", *imported_checkout())
+    if hasattr(module, "load_trainer"):
+        releasing_shared_memory()
     get_model = upcasting_evaluation_logits(
         checking_vocabulary(merging_adapter_checkpoints(module.get_model))
     )

@@ -10,6 +10,7 @@ from palu_trainer.spans.agreement import span_agreement, word_agreement
 from palu_trainer.spans.annotator import Background, annotate, annotate_texts, load_qa_rows
 from palu_trainer.spans.format import (
     AnnotationError,
+    excerpt,
     read_annotations,
     validate_annotations,
     word_cut_warning,
@@ -188,7 +189,7 @@ def _dataset_rows(args) -> list[dict]:
         for key in sorted(keys):
             if not isinstance(row[key], str):
                 raise AnnotationError(
-                    f"{args.dataset} row {position}, field {key!r}: {row[key]!r} is not text; "
+                    f"{args.dataset} row {position}, field {key!r}: {excerpt(row[key])} is not text; "
                     "fix or drop the row"
                 )
     return rows

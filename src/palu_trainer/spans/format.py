@@ -55,6 +55,10 @@ def read_annotations(path: str | Path, field: str = "answer") -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise AnnotationError(f"{path} line {line_number}: not JSON ({error})") from None
+        except RecursionError:
+            raise AnnotationError(
+                f"{path} line {line_number}: JSON nested too deeply to be a row of this format"
+            ) from None
         if not isinstance(row, dict):
             raise AnnotationError(f"{path} line {line_number}: a {type(row).__name__}, not a JSON object")
         missing, spans = {"index", key, "spans"} - row.keys(), row.get("spans")
@@ -106,7 +110,7 @@ def validate_annotations(
     for position, (row, answer) in enumerate(zip(rows, answers)):
         where = f"{source} row {position}"
         if not _is_int(row["index"]):
-            raise AnnotationError(f"{where}, field 'index': {row['index']!r} is not an integer")
+            raise AnnotationError(f"{where}, field 'index': {excerpt(row['index'])} is not an integer")
         if row["index"] != position:
             raise AnnotationError(
                 f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order"
@@ -125,17 +129,17 @@ def validate_annotations(
         field_spans = f"{where}, field 'spans'"
         if not isinstance(row["spans"], list):
             raise AnnotationError(
-                f'{field_spans}: {row["spans"]!r} is not a list; a row without spans has `"spans": []`'
+                f'{field_spans}: {excerpt(row["spans"])} is not a list; a row without spans has `"spans": []`'
             )
         for number, span in enumerate(row["spans"]):
             if isinstance(span, dict):
                 raise AnnotationError(
-                    f"{field_spans}[{number}]: {span!r} is an object; spans are [start, end] pairs "
+                    f"{field_spans}[{number}]: {excerpt(span)} is an object; spans are [start, end] pairs "
                     "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
                 )
             if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
                 raise AnnotationError(
-                    f"{field_spans}[{number}]: {span!r} is not a [start, end] pair of integer "
+                    f"{field_spans}[{number}]: {excerpt(span)} is not a [start, end] pair of integer "
                     "character offsets"
                 )
         spans = [(start, end) for start, end in row["spans"]]
@@ -159,6 +163,18 @@ def validate_annotations(
             previous_end = end
         all_spans.append(spans)
     return all_spans
+
+
+EXCERPT_CHARACTERS = 80
+
+
+def excerpt(value) -> str:
+    """`value`'s repr, cut to `EXCERPT_CHARACTERS` with its length said: a message names a bad value, not all
+    of a huge one."""
+    text = repr(value)
+    if len(text) <= EXCERPT_CHARACTERS:
+        return text
+    return f"{text[:EXCERPT_CHARACTERS]}… ({len(text):,} characters)"
 
 
 def _is_int(value) -> bool:

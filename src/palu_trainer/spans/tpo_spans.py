@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from palu_trainer.spans.format import AnnotationError, Span, merge_spans, write_annotations
+from palu_trainer.spans.format import AnnotationError, Span, excerpt, merge_spans, write_annotations
 
 
 def read_tpo(tpo_path: str | Path) -> tuple[list[str], list[list[Span]]]:
@@ -42,7 +42,8 @@ def _checked_span(answer: str, span: dict, where: str) -> Span:
         shifted = f"the text is at offset {found} (shifted by {found - start:+d})"
         hint = shifted if found >= 0 else "the text is not in the answer"
         raise AnnotationError(
-            f"{where}: span [{start}, {end}) covers {answer[start:end]!r} but its text is {text!r}; {hint}. "
+            f"{where}: span [{start}, {end}) covers {excerpt(answer[start:end])} but its text is "
+            f"{excerpt(text)}; {hint}. "
             "Fix the offsets (or the text) in the TPO file and import it again"
         )
     return start, end

@@ -12,6 +12,7 @@ that verdict is agreed by one all-reduce, so all ranks stop together.
 import json
 import logging
 import math
+import re
 import shlex
 import shutil
 import signal
@@ -41,6 +42,13 @@ FINAL_WEIGHTS = (
 )
 STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
 FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as a Hydra override's value: as it is when Hydra's grammar reads it so, else quoted."""
+    if re.fullmatch(r"[\w./~+:@-]+", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class RunStopped(SystemExit):
@@ -76,9 +84,10 @@ def failed_run_problem(key: str, folder) -> str | None:
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
+    when = f" at step {record['step']}" if record.get("step") is not None else ""
     return (
-        f"{key}={folder} is a failed run's folder ({FAILED_RUN_FILE}: {record['reason']} at step "
-        f"{record['step']}); it holds no finished model. {record.get('next', '')}".rstrip()
+        f"{key}={folder} is a failed run's folder ({FAILED_RUN_FILE}: {record['reason']}{when}); it holds no "
+        f"finished model. {record.get('next', '')}".rstrip()
     )
 
 
@@ -369,7 +378,8 @@ class RunGuard(TrainerCallback):
         kept = [
             arg for arg in self.argv if not arg.lstrip("+").startswith("trainer.args.resume_from_checkpoint=")
         ]
-        command = shlex.join([*self.command, *kept, f"+trainer.args.resume_from_checkpoint={checkpoint}"])
+        resume = f"+trainer.args.resume_from_checkpoint={hydra_quoted(str(checkpoint))}"
+        command = shlex.join([*self.command, *kept, resume])
         if self.trainer.accelerator.num_processes > 1:
             return f"{command}   (under your launcher, e.g. accelerate launch, as before)"
         return command

@@ -34,6 +34,20 @@ def holder(record: dict) -> str:
     )
 
 
+def running_run(folder) -> str | None:
+    """The run that holds `folder` and is still going (its process alive, or on another host, where that
+    cannot be told), as `holder` says it; None when no run or a gone one holds it."""
+    try:
+        held = json.loads((Path(folder).expanduser() / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if held.get("host") not in (None, socket.gethostname()) or (
+        held.get("pid") and process_alive(held["pid"])
+    ):
+        return holder(held)
+    return None
+
+
 def take_output_folder(folder) -> str | None:
     """Take `folder` for this run (released when the process exits). Returns the problem when another live
     run holds it, else None."""

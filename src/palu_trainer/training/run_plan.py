@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from palu_trainer.training.resume import checkpoints_newest_first
+
 ALLOW_LOW_DISK = "allow_low_disk_space"
 # Adam-type optimizers keep two fp32 moments per trainable parameter; DeepSpeed also an fp32 master copy.
 ADAM_STATE_BYTES, DEEPSPEED_MASTER_BYTES = 8, 4
@@ -110,11 +112,14 @@ def disk_estimate(trainer) -> dict:
         checkpoint_bytes += trainable * per_parameter
     checkpoint_bytes += trainer.checkpoint_state_bytes()
     kept = checkpoints_kept(trainer, optimizer_steps(trainer))
+    # checkpoints already in the folder hold their space: a resumed run's, or an earlier run's that a run
+    # starting over deletes before its first step
+    written = max(0, kept - len(checkpoints_newest_first(trainer.args.output_dir)))
     return {
         "model": model_bytes,
         "checkpoint": checkpoint_bytes,
         "checkpoints": kept,
-        "total": int(SAVE_MARGIN * (model_bytes + kept * checkpoint_bytes)),
+        "total": int(SAVE_MARGIN * (model_bytes + written * checkpoint_bytes)),
     }
 
 
