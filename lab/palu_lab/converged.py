@@ -517,10 +517,12 @@ def plot_curves(
     retain: Mapping,
     rows: int,
     full: Mapping[str, dict[int, dict]] | None = None,
+    selected_epochs: Mapping[str, int] | None = None,
 ) -> None:
     """Four panels against the unlearning epoch: each method's selected setting, mean over seeds with the
-    min–max band; Retain dashed. `full`: the LoRA report's full-finetuning curves of the same methods, dashed
-    in the colour of each method's LoRA line, without bands."""
+    min–max band, a ring at its selected epoch (`selected_epochs`); Retain dashed. `full`: the LoRA report's
+    full-finetuning curves of the same methods, dashed in the colour of each method's LoRA line, without
+    bands."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -533,7 +535,15 @@ def plot_curves(
             values = [spreads[epoch][key] for epoch in epochs]
             floor = report.FQ_FLOOR if log else -math.inf
             mean = [max(v.mean, floor) for v in values]
-            line = axes.plot(epochs, mean, marker="o", label=method)[0]
+            seeds = max(v.seeds for v in values)
+            shown = method if seeds > 1 else f"{method} (seed 0 only)"
+            line = axes.plot(epochs, mean, marker="o", label=shown)[0]
+            chosen = (selected_epochs or {}).get(method)
+            if chosen in epochs:
+                axes.plot(
+                    [chosen], [mean[epochs.index(chosen)]], marker="o", ms=13, mfc="none",
+                    color=line.get_color(), lw=0,
+                )  # fmt: skip
             axes.fill_between(
                 epochs, [max(v.low, floor) for v in values], [max(v.high, floor) for v in values],
                 color=line.get_color(), alpha=0.2,
@@ -557,7 +567,10 @@ def plot_curves(
         axes.set_ylabel(label)
         axes.grid(True, which="both", alpha=0.3)
     panels.flat[0].legend(fontsize=8)
-    figure.suptitle("SmolLM2 on real TOFU: each method's selected setting, mean over seeds, band min–max")
+    figure.suptitle(
+        "SmolLM2 on real TOFU: each method's selected setting, mean over seeds, band min–max; "
+        "ring: the selected epoch"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -991,8 +1004,9 @@ def write_report(
     paths = {name: out_dir / name for name in ("converged.md", "converged.json", "curves.png", "fronts.png")}
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(
-        paths["curves.png"], curves, references["Retain"].metrics, forget_rows, full.curves if full else None
-    )
+        paths["curves.png"], curves, references["Retain"].metrics, forget_rows, full.curves if full else None,
+        {row: chosen.epoch for row, chosen in selections.items() if chosen},
+    )  # fmt: skip
     against_full, full_reading = lora_against_full(full, spreads, points, original[UTILITY])
     plot_fronts(paths["fronts.png"], points, references, UTILITY_SHARES, full.points if full else None)
     ks_column = (("ks_d", f"KS D·{forget_rows} ↓", "{:.1f}"),)

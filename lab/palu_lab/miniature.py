@@ -306,6 +306,13 @@ def run_framework(entry: str, overrides: list[str], log_path: Path, env: dict) -
 RESUME_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
 
 
+RESUMABLE_EPOCHS = (
+    "++trainer.args.save_strategy=epoch",
+    "++trainer.args.save_only_model=false",
+    "++trainer.args.save_total_limit=1",
+)
+
+
 def resumable_checkpoint(out_dir: Path) -> Path | None:
     """The newest checkpoint of an unfinished run that holds what resuming needs."""
     checkpoints = sorted(
@@ -492,10 +499,29 @@ class Stages:
         ]
 
         def produce(out_dir: Path) -> float:
-            arguments = [*overrides, *model_paths(model_dir), f"paths.output_dir={out_dir}"]
-            return run_framework("train", arguments, self.run_dir / "logs" / f"finetune_{name}.log", self.env)
+            # a checkpoint per epoch with its optimizer state, the newest only, outside the key: a real
+            # model's finetune takes hours on the CPU, and one stopped with its session continues
+            arguments = [
+                *overrides,
+                *model_paths(model_dir),
+                f"paths.output_dir={out_dir}",
+                *RESUMABLE_EPOCHS,
+            ]
+            if resumable_checkpoint(out_dir):
+                arguments.append("+trainer.args.resume_from_checkpoint=true")
+                self.progress.say(f"finetune {name}: resuming from {resumable_checkpoint(out_dir)}")
+            else:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            seconds = run_framework(
+                "train", arguments, self.run_dir / "logs" / f"finetune_{name}.log", self.env
+            )
+            for checkpoint in out_dir.glob("checkpoint-*"):
+                shutil.rmtree(checkpoint)
+            return seconds
 
-        return self.run_cached_stage(f"finetune {name} on {train_split}", "finetune", key, produce)
+        return self.run_cached_stage(
+            f"finetune {name} on {train_split}", "finetune", key, produce, resumable=True
+        )
 
     def evaluate(
         self,

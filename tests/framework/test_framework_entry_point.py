@@ -575,3 +575,35 @@ def test_a_crash_in_training_ends_in_one_line_and_marks_the_folder_failed(
     assert "Traceback" not in output
     assert json.loads((out / FAILED_RUN_FILE).read_text())["reason"] == "crashed"
     assert not (out / LOCK_FILE).exists()
+
+
+def test_a_users_own_experiment_yaml_without_the_plugins_callback_gets_the_one_line_messages(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    """The plugin's experiment copied as users write their own, without its `hydra.callbacks` block: no
+    config check runs, and the trainer's own checks stop a typo in a PALU option and a retain split that
+    holds the forget rows with the same one line, before training."""
+    from palu_trainer.framework.checkout import CONFIG_DIR
+
+    own = tmp_path / "configs" / "experiment" / "unlearn" / "tofu" / "my_palu.yaml"
+    own.parent.mkdir(parents=True)
+    own.write_text(
+        (CONFIG_DIR / "experiment" / "unlearn" / "tofu" / "palu.yaml").read_text().split("\nhydra:")[0]
+    )
+    run = [f"--config-dir={tmp_path / 'configs'}"] + [
+        "experiment=unlearn/tofu/my_palu" if arg == "experiment=unlearn/tofu/palu" else arg
+        for arg in QUICK_RUN
+    ]
+    typo = framework_command(
+        tofu_mirror, tiny_model_dir, tmp_path / "a", ["+trainer.method_args.kl_wieght=2"], run=run
+    )
+    output = stopped("src/train.py", typo)
+    assert (
+        "train.py: trainer.method_args.kl_wieght is not an option of PALUTrainer: did you mean kl_weight?"
+        in output
+    )
+    assert "Traceback" not in output and "TypeError" not in output
+    overlap = framework_command(tofu_mirror, tiny_model_dir, tmp_path / "b", ["retain_split=full"], run=run)
+    output = stopped("src/train.py", overlap)
+    assert re.search(r"train\.py: the data share \d+ of the \d+ forget rows", output), output[-3000:]
+    assert "Traceback" not in output

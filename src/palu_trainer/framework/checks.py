@@ -271,16 +271,12 @@ def resume_options_problem(cfg, script) -> str | None:
     )
 
 
-def stock_options(cls) -> type[Options]:
-    """A stock trainer's options (its __init__'s keywords up its MRO), checking what its code does not: the
-    loss weights, NPO's, SimNPO's and DPO's beta (their loss divides by it) and GradDiff's retain loss."""
+def init_keywords(cls) -> tuple[set[str], set[str]]:
+    """The named keywords `cls.__init__` takes up its MRO, and those of them that transformers' Trainer and
+    the framework's FinetuneTrainer do not take: the method's own."""
     from trainer.base import FinetuneTrainer
-    from trainer.unlearn.dpo import DPO
-    from trainer.unlearn.grad_diff import GradDiff
-    from trainer.unlearn.npo import NPO
-    from trainer.unlearn.simnpo import SimNPO
 
-    method, accepted = set(), set()
+    accepted, method = set(), set()
     for klass in cls.__mro__:
         if "__init__" not in klass.__dict__:
             continue
@@ -290,8 +286,20 @@ def stock_options(cls) -> type[Options]:
             if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
         }
         accepted |= names
-        if not issubclass(FinetuneTrainer, klass):  # the framework passes Trainer's and FinetuneTrainer's
+        if not issubclass(FinetuneTrainer, klass):
             method |= names
+    return accepted, method
+
+
+def stock_options(cls) -> type[Options]:
+    """A stock trainer's options (its __init__'s keywords up its MRO), checking what its code does not: the
+    loss weights, NPO's, SimNPO's and DPO's beta (their loss divides by it) and GradDiff's retain loss."""
+    from trainer.unlearn.dpo import DPO
+    from trainer.unlearn.grad_diff import GradDiff
+    from trainer.unlearn.npo import NPO
+    from trainer.unlearn.simnpo import SimNPO
+
+    accepted, method = init_keywords(cls)  # the framework passes Trainer's and FinetuneTrainer's itself
     checked = {"gamma": Gamma, "alpha": Alpha}
     if issubclass(cls, (NPO, SimNPO, DPO)):
         checked["beta"] = Number(f"{cls.__name__}'s temperature; 0 divides by zero", gt=0)

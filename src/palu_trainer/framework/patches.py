@@ -143,6 +143,8 @@ def checking_data(get_data, cfg):
             raise BadInput(problem)
         if problem:
             logger.warning("%s=true: %s", ALLOW_OVERLAP, problem)
+        if data.get("train") is not None:
+            data["train"].palu_overlap_checked = True  # the guarded trainers check what no patch did
         return data
 
     return load

@@ -21,7 +21,8 @@ def register_into_running_framework() -> None:
 
 
 def register() -> None:
-    """Add the span dataset, its collator and the PALU and TPO trainers to the registries (idempotent)."""
+    """Add the span dataset, its collator and the PALU and TPO trainers to the registries, and let torch load
+    what resumable checkpoints hold (idempotent)."""
     if not framework_running():
         ensure_importable()
     import data
@@ -29,6 +30,7 @@ def register() -> None:
     from omegaconf import OmegaConf
 
     from palu_trainer.framework import datasets
+    from palu_trainer.framework.patches import allowing_checkpoint_globals
     from palu_trainer.framework.trainers.palu import PALUTrainer
     from palu_trainer.framework.trainers.tpo import TPOTrainer
 
@@ -38,3 +40,4 @@ def register() -> None:
     trainer._register_trainer(PALUTrainer)
     trainer._register_trainer(TPOTrainer)
     OmegaConf.register_new_resolver("palu_root", lambda: str(RESOURCES_DIR), replace=True)
+    allowing_checkpoint_globals()  # a run that resumes loads them, under any entry point

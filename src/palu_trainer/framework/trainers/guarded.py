@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.patches import allowing_checkpoint_globals
 from palu_trainer.training.resume import checkpoint_to_resume
 from palu_trainer.training.run_guard import RunGuard, RunStopped
 
@@ -90,11 +89,32 @@ def use_non_reentrant_checkpointing(args) -> None:
         )
 
 
+def command_line_flag(name: str) -> bool:
+    """Whether the running Hydra app's command line sets `+name=true`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    values = (override.lstrip("+~").partition("=") for override in HydraConfig.get().overrides.task)
+    return any(key == name and value.lower() in ("true", "1") for key, _, value in values)
+
+
 class GuardedGradDiff(GuardedTrainer, GradDiff):
     options_type: type  # the trainer's `trainer.method_args` (PALUOptions, TPOOptions): `self.options`
 
     def __init__(self, *args, **kwargs):
-        self.options = options = self.options_type.take(kwargs)
+        """Takes the method's options out of `kwargs` (the framework passes `trainer.method_args` as
+        keywords) and checks them here, so that a run without the plugin's config check (a user's own
+        experiment YAML under src/train.py) stops on a typo or a bad value with the same one line."""
+        from palu_trainer.framework.checks import init_keywords
+
+        accepted, _ = init_keywords(GradDiff)
+        fields = self.options_type.model_fields
+        method_args = {
+            name: kwargs.pop(name) for name in list(kwargs) if name in fields or name not in accepted
+        }
+        try:
+            self.options = options = self.options_type.parse(method_args, "trainer.method_args.")
+        except ValueError as error:
+            raise RunStopped(str(error)) from None
         super().__init__(
             *args,
             gamma=options.gamma,
@@ -106,6 +126,22 @@ class GuardedGradDiff(GuardedTrainer, GradDiff):
         # patches.averaging_accumulated_losses)
         self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
+        self._check_overlap()
+
+    def _check_overlap(self) -> None:
+        """Forget rows that are also retain rows stop a run of the framework's script that no config check
+        saw the data of (a user's own experiment YAML without the plugin's Hydra callback);
+        `+allow_forget_retain_overlap=true` allows them. A trainer built in Python is handed what its caller
+        chose."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from palu_trainer.framework.checks import ALLOW_OVERLAP, forget_retain_overlap
+
+        if getattr(self.train_dataset, "palu_overlap_checked", False) or not HydraConfig.initialized():
+            return
+        problem = forget_retain_overlap(self.train_dataset)
+        if problem and not command_line_flag(ALLOW_OVERLAP):
+            raise RunStopped(problem)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`resume_from_checkpoint` defaults to `trainer.args.resume_from_checkpoint` (a folder, or true for
@@ -118,7 +154,6 @@ class GuardedGradDiff(GuardedTrainer, GradDiff):
             except (FileNotFoundError, ValueError) as error:
                 raise RunStopped(str(error)) from None
         if resume_from_checkpoint:
-            allowing_checkpoint_globals()
             self.before_resuming(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
