@@ -171,8 +171,8 @@ def test_the_line_budgets_of_issue_60_hold():
     compute_loss = len(inspect.getsource(PALUTrainer.compute_loss).splitlines())
     budgets = {
         # raised for the fifth sweep's code (issue 80) until per-function and per-module limits replace them
-        "wheel": (wheel, 7500),
-        "framework": (python_lines(PACKAGE_DIR / "framework"), 2750),
+        "wheel": (wheel, 7600),
+        "framework": (python_lines(PACKAGE_DIR / "framework"), 2800),
         "method": (python_lines(PACKAGE_DIR / "method"), 1300),
         "compute_loss": (compute_loss, 20),
     }

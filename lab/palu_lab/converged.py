@@ -37,6 +37,7 @@ import numpy
 from palu_lab import real_model
 from palu_lab.ablation_chart import plot_axis
 from palu_lab.method_lists import (
+    BROAD_RATES,
     CONVERGED_KNOB_VALUES,
     PALU_FORMS,
     REAL_MODEL_BASELINES,
@@ -166,9 +167,6 @@ CONVERGED_FAST = replace(
 # the budget and the evaluator stay. MU's retain part reads retain_perturbed's first 40 rows, authors 0 and 1,
 # trained retain authors as TOFU's retain_perturbed's are, and the rows the four-author layout reads.
 BROAD_LAYOUT = replace(CONVERGED_LAYOUT, retain_authors=range(0, 18))
-# Each method's rates on the broad layout: PALU's around its four-author cliff (between 1e-5 and 3e-5, with
-# the paper's 2e-5), NPO's and TPO's where their four-author selections lie.
-BROAD_RATES = {"PALU": (1e-5, 2e-5, 3e-5, 1e-4), "NPO": (3e-5, 1e-4, 3e-4), "TPO": (3e-5, 1e-4, 3e-4)}
 BROAD_ROWS = tuple(BROAD_RATES)
 CONVERGED_BROAD = replace(
     CONVERGED,

@@ -29,6 +29,11 @@ CONVERGED_KNOB_VALUES = {
     "PALU_release": (1.0, 2.0),
 }
 
+# The broad-retain layout of `make converged` (issue 79, `--layout broad`): its rows and each one's learning
+# rates: PALU's around its four-author cliff (between 1e-5 and 3e-5, with the paper's 2e-5), NPO's and TPO's
+# where their four-author selections lie.
+BROAD_RATES = {"PALU": (1e-5, 2e-5, 3e-5, 1e-4), "NPO": (3e-5, 1e-4, 3e-4), "TPO": (3e-5, 1e-4, 3e-4)}
+
 # The methods each measurement puts beside PALU, besides the side-by-side: the bench's ratio denominators, the
 # paper's Figure 5 (convergence), and the baselines `make gpu-check` runs on a GPU.
 BENCH_BASELINES = ("GradDiff", "NPO")

@@ -37,8 +37,8 @@ def test_the_kit_has_the_frameworks_sections_and_the_measured_table(framework_co
         assert re.findall(r"^# (\w+)", readme, re.M) == [contribution.name, "Setup", "Results", "Citation"]
         assert contribution.authors in readme and all(link in readme for link in contribution.links)
         assert "ships as a pip-installable plugin" in readme and table in readme
-        assert "| PALU | lr 1e-05, λ 1 |" in readme and "SmolLM2-135M-Instruct" in readme
-        assert "rendered at 8cd9118 (2026-11-29)" in readme and "](docs/" not in readme
+        assert "| PALU | lr 3e-5, λ 2, epoch 2 | 1 |" in readme and "SmolLM2-135M-Instruct" in readme
+        assert "--render` at 6bd1572" in readme and "](docs/" not in readme
         script = (framework_copy / "community" / "methods" / contribution.name / "run.sh").read_text()
         assert (
             "# Hyper parameter tuning" in script.replace("#" * 10, "") or "Hyper parameter tuning" in script

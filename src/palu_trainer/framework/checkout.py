@@ -29,16 +29,16 @@ def is_checkout(path: Path) -> bool:
 
 
 def checkout_choice() -> tuple[Path, str]:
-    """The open-unlearning checkout to import, and why it is that one: the one whose modules the running
-    framework script (`src/train.py`, `src/eval.py`) imported already; else OPEN_UNLEARNING_DIR; else the
+    """The open-unlearning checkout to import, and why it is that one: OPEN_UNLEARNING_DIR; else the one whose
+    modules the running framework script (`src/train.py`, `src/eval.py`) imported already; else the
     checkout `make setup` recorded for this environment; else the working directory when it is a checkout
     and no other was chosen (the framework's own environment, the plugin installed into it); else the
     default cache dir. A checkout in the working directory never overrides a chosen one."""
+    if os.environ.get("OPEN_UNLEARNING_DIR"):
+        return Path(os.environ["OPEN_UNLEARNING_DIR"]).expanduser().resolve(), "OPEN_UNLEARNING_DIR"
     running = getattr(sys.modules.get("trainer"), "__file__", None)
     if running and is_checkout(Path(running).resolve().parents[2]):
         return Path(running).resolve().parents[2], "the running framework script's"
-    if os.environ.get("OPEN_UNLEARNING_DIR"):
-        return Path(os.environ["OPEN_UNLEARNING_DIR"]).expanduser().resolve(), "OPEN_UNLEARNING_DIR"
     if CHECKOUT_RECORD.is_file():
         return Path(CHECKOUT_RECORD.read_text().strip()), f"recorded by make setup in {CHECKOUT_RECORD}"
     if is_checkout(Path.cwd()):

@@ -109,13 +109,11 @@ def hub_reachable() -> bool:
 
 
 def hub_model_problem(key: str, value: str, file_name: str) -> str | None:
-    """A model reference that is no local folder: a path that does not exist (a hub id is `owner/name`), or a
-    hub id that is not in the local cache while the hub cannot be reached. Found before loading, in seconds,
-    instead of the hub client's retries and tracebacks."""
+    """A hub id that is not in the local cache while the hub cannot be reached (offline): found in about a
+    second when the model loads (`patches.finding_hub_models`), instead of the hub client's retries and
+    tracebacks."""
     from huggingface_hub import try_to_load_from_cache
 
-    if value.count("/") > 1:
-        return f"{key}={value}: no such folder (a hub id is owner/name); give a saved model folder"
     try:
         cached = try_to_load_from_cache(value, file_name)
     except ValueError:  # not a valid repo id either
@@ -138,9 +136,9 @@ def model_path_problem(cfg, script) -> str | None:
         if not isinstance(value, str):
             continue
         if not is_local_path(value):
-            if problem := hub_model_problem(key, value, files[0]):
-                return problem
-            continue
+            if value.count("/") > 1:
+                return f"{key}={value}: no such folder (a hub id is owner/name); give a saved model folder"
+            continue  # a hub id: `hub_model_problem` when the model loads
         path = Path(value).expanduser()
         if not path.is_dir():
             return f"{key}={value}: no such folder; give a saved model folder or a hub id"

@@ -131,6 +131,24 @@ def upcasting_evaluation_logits(model, tokenizer):
     return model, tokenizer
 
 
+def finding_hub_models(get_model):
+    """`get_model`, stopping in one line on a model or tokenizer hub id that is neither in the Hugging Face
+    cache nor reachable (offline), before the hub client's retries (21 s and seven tracebacks)."""
+    from palu_trainer.framework.checks import BadInput, hub_model_problem, is_local_path
+
+    @functools.wraps(get_model)
+    def load(model_cfg, *args, **kwargs):
+        for part, file_name in (("model_args", "config.json"), ("tokenizer_args", "tokenizer_config.json")):
+            value = (model_cfg.get(part) or {}).get("pretrained_model_name_or_path")
+            key = f"model.{part}.pretrained_model_name_or_path"
+            if isinstance(value, str) and not is_local_path(value):
+                if problem := hub_model_problem(key, value, file_name):
+                    raise BadInput(problem)
+        return get_model(model_cfg, *args, **kwargs)
+
+    return load
+
+
 def checking_data(get_data, cfg):
     """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed)."""
     from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
@@ -406,7 +424,7 @@ def patch_framework_script(module, cfg) -> None:
     if hasattr(module, "load_trainer"):
         releasing_shared_memory()
     get_model = upcasting_evaluation_logits(
-        checking_vocabulary(merging_adapter_checkpoints(module.get_model))
+        checking_vocabulary(merging_adapter_checkpoints(finding_hub_models(module.get_model)))
     )
     training = hasattr(module, "load_trainer")
     if training and cfg.get("peft") is not None:
