@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.launch import free_port, shared_memory_op_dir, write_accelerate_config
 from palu_trainer.method.chunking import chunk_count, logit_chunk_rows
 from palu_trainer.method.reference_cache import count_positions
@@ -131,9 +132,17 @@ def fault_stacks(stderr: str) -> str:
 
 
 def launch(launcher, overrides, data, model_dir, out_dir, processes, steps=STEPS):
-    """The command line and environment of a run of `steps` steps on `processes` ranks."""
+    """The command line and environment of a run of `steps` steps on `processes` ranks (under the
+    framework's src/train.py, which reads no TOFU_DIR, the data's paths on the command line)."""
     mirror, annotations, *_ = data
     spans = [] if "trainer=NPO" in overrides else [f"span_annotations={annotations}"]
+    if launcher[-1] == str(checkout_dir() / "src" / "train.py"):
+        spans += [
+            f"data.forget.TOFU_QA_forget_spans.args.hf_args.path={mirror}",
+            f"data.retain.TOFU_QA_retain.args.hf_args.path={mirror}",
+            "~eval",
+            "~eval.tofu",
+        ]
     command = [
         *launcher,
         *QUICK_RUN,
@@ -226,7 +235,8 @@ def assert_same_run(configuration, distributed, single, model_dir):
         assert float((update - single_update).norm()) <= 0.1 * float(single_update.norm()), name
 
 
-def zero3_launcher(zero3_config, port=None) -> list[str]:
+def zero3_launcher(zero3_config, port=None, entry_point="palu-train") -> list[str]:
+    """accelerate with DeepSpeed ZeRO-3 on 2 ranks, launching palu-train or the framework's src/train.py."""
     return [
         str(BIN / "accelerate"),
         "launch",
@@ -234,7 +244,7 @@ def zero3_launcher(zero3_config, port=None) -> list[str]:
         str(zero3_config),
         "--main_process_port",
         str(port or free_port()),
-        str(PALU_TRAIN),
+        str(checkout_dir() / "src" / "train.py" if entry_point == "src/train.py" else PALU_TRAIN),
     ]
 
 
@@ -315,9 +325,9 @@ RESUMED_STEPS = 6
 
 
 @pytest.mark.distributed
-@pytest.mark.stack
+@pytest.mark.parametrize("entry_point", [pytest.param("palu-train", marks=pytest.mark.stack), "src/train.py"])
 def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
-    tmp_path, uneven_data, model_dirs, zero3_config
+    tmp_path, uneven_data, model_dirs, zero3_config, entry_point
 ):
     """The documented path on a cluster: SIGTERM to the launcher writes a checkpoint and prints the command
     that resumes it; run under the launcher again, it finishes with the losses of a run never stopped (the
@@ -331,17 +341,16 @@ def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
         return {entry["step"]: entry for entry in history if "loss" in entry}
 
     whole = tmp_path / "whole"
-    command, env = launch(
-        zero3_launcher(zero3_config), overrides, uneven_data, model_dir, whole, 2, RESUMED_STEPS
-    )
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    launcher = zero3_launcher(zero3_config, entry_point=entry_point)
+    command, env = launch(launcher, overrides, uneven_data, model_dir, whole, 2, RESUMED_STEPS)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=checkout_dir())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
     stopped = tmp_path / "stopped"
-    command, env = launch(
-        zero3_launcher(zero3_config), overrides, uneven_data, model_dir, stopped, 2, RESUMED_STEPS
+    command, env = launch(launcher, overrides, uneven_data, model_dir, stopped, 2, RESUMED_STEPS)
+    code, output = preempted_after(
+        3, command, signal.SIGTERM, {**env, "PYTHONUNBUFFERED": "1"}, cwd=checkout_dir()
     )
-    code, output = preempted_after(3, command, signal.SIGTERM, {**env, "PYTHONUNBUFFERED": "1"})
     assert code != 0, output[-3000:]
     step = int(re.search(r"stopped by SIGTERM after step (\d+) of", output).group(1))
     assert 3 <= step < RESUMED_STEPS, output[-3000:]
@@ -349,8 +358,9 @@ def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
     assert output.count("Traceback") == output.count("got signal: 15") == 1, output[-6000:]
     resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0].split("   (under")[0])
     assert resume[-1] == f"+trainer.args.resume_from_checkpoint={stopped / f'checkpoint-{step}'}"
+    arguments = resume[2:] if entry_point == "src/train.py" else resume[1:]
     resumed = subprocess.run(
-        [*zero3_launcher(zero3_config), *resume[1:]], env=env, capture_output=True, text=True, timeout=900
+        [*launcher, *arguments], env=env, capture_output=True, text=True, timeout=900, cwd=checkout_dir()
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert f"reference cache read from {stopped / f'checkpoint-{step}'}" in resumed.stdout + resumed.stderr
@@ -377,8 +387,9 @@ def rank_process(rank: int, port: int) -> int:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("entry_point", ["palu-train", "src/train.py"])
 def test_a_killed_rank_ends_the_run_in_one_line_marked_failed_and_the_next_run_clears_its_litter(
-    tmp_path, uneven_data, model_dirs, zero3_config
+    tmp_path, uneven_data, model_dirs, zero3_config, entry_point
 ):
     """SIGKILL to one rank of a ZeRO-3 run: the other stops within seconds in one line that says what
     happened and how to resume, the folder is marked failed and unlocked, the surviving rank's
@@ -387,11 +398,11 @@ def test_a_killed_rank_ends_the_run_in_one_line_marked_failed_and_the_next_run_c
     port = free_port()
     out = tmp_path / "run"
     overrides = [*CONFIGURATIONS["PALU-reference-cache-tied"][0], "trainer.args.save_only_model=false"]
-    command, env = launch(
-        zero3_launcher(zero3_config, port), overrides, uneven_data, model_dirs[True], out, 2, steps=60
-    )
+    launcher = zero3_launcher(zero3_config, port, entry_point)
+    command, env = launch(launcher, overrides, uneven_data, model_dirs[True], out, 2, steps=60)
     process = subprocess.Popen(
         command,
+        cwd=checkout_dir(),
         env={**env, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -405,7 +416,8 @@ def test_a_killed_rank_ends_the_run_in_one_line_marked_failed_and_the_next_run_c
     os.kill(rank_process(1, port), signal.SIGKILL)
     output += process.communicate(timeout=300)[0]
     assert process.returncode != 0
-    assert "palu-train: another process of this run stopped (" in output, output[-6000:]
+    program = "train.py" if entry_point == "src/train.py" else "palu-train"
+    assert f"{program}: another process of this run stopped (" in output, output[-6000:]
     assert (out / FAILED_RUN_FILE).is_file() and not (out / LOCK_FILE).exists()
     buffers = sorted(
         path.name for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")

@@ -3,9 +3,11 @@ nothing of the framework edited: PALU registers itself (the Hydra search-path pl
 palu-train, and its trainer carries the run guard (divergence, SIGTERM) and resuming with it. Another Hydra
 app in the same environment imports nothing of PALU's."""
 
+import functools
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -21,7 +23,7 @@ from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable
-from .test_bad_inputs import BIN, QUICK_RUN
+from .test_bad_inputs import BIN, QUICK_RUN, SPANS
 from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after, steps_logged
 
 
@@ -46,24 +48,31 @@ def environment() -> dict:
 
 
 def run_framework_train(
-    arguments, timeout=600, python=sys.executable, env=None
+    arguments, timeout=600, python=sys.executable, env=None, preexec_fn=None
 ) -> subprocess.CompletedProcess:
     """The framework's src/train.py in its checkout, run by `python` (this environment's, or one with only
     the built wheel installed)."""
     return subprocess.run(
         [python, "src/train.py", *arguments], cwd=checkout_dir(), env=env or environment(),
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn,
     )  # fmt: skip
 
 
-def train_through(entry_point: str, arguments, **environ) -> subprocess.CompletedProcess:
-    """palu-train, or the framework's own src/train.py, on the same arguments (`environ` added)."""
+def train_through(
+    entry_point: str, arguments, address_space: int | None = None, **environ
+) -> subprocess.CompletedProcess:
+    """palu-train, or the framework's own src/train.py, on the same arguments (`environ` added), in at most
+    `address_space` bytes of virtual memory if given."""
     env = {**environment(), **environ}
+    limit = None
+    if address_space:
+        limit = functools.partial(resource.setrlimit, resource.RLIMIT_AS, (address_space, address_space))
     if entry_point == "src/train.py":
-        return run_framework_train(arguments, env=env)
+        return run_framework_train(arguments, env=env, preexec_fn=limit)
     return subprocess.run(
-        [str(BIN / "palu-train"), *arguments], env=env, capture_output=True, text=True, timeout=600
-    )
+        [str(BIN / "palu-train"), *arguments], env=env, capture_output=True, text=True, timeout=600,
+        preexec_fn=limit,
+    )  # fmt: skip
 
 
 def program(entry_point: str) -> str:
@@ -71,9 +80,9 @@ def program(entry_point: str) -> str:
     return "train.py" if entry_point == "src/train.py" else "palu-train"
 
 
-def stopped(entry_point: str, arguments) -> str:
+def stopped(entry_point: str, arguments, **limits) -> str:
     """The output of a run through `entry_point` that must stop before its end with exit 1."""
-    result = train_through(entry_point, arguments)
+    result = train_through(entry_point, arguments, **limits)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     return output
@@ -607,3 +616,68 @@ def test_a_users_own_experiment_yaml_without_the_plugins_callback_gets_the_one_l
     output = stopped("src/train.py", overlap)
     assert re.search(r"train\.py: the data share \d+ of the \d+ forget rows", output), output[-3000:]
     assert "Traceback" not in output
+
+
+@pytest.fixture(scope="module")
+def wide_vocabulary_model_dir(tmp_path_factory, tofu_rows) -> Path:
+    """A tiny model (hidden size 8) with Gemma-3's |V| (262,144, a tokenizer padded with unused tokens): a
+    batch of forget05's 200 rows needs logits of several GB, more than the 4 GiB of address space its run
+    is given (a tiny run needs under 3)."""
+    from palu_lab.tiny import make_tiny_model, train_bpe_tokenizer
+
+    directory = tmp_path_factory.mktemp("wide-vocabulary")
+    texts = (row["question"] + "\n" + row["answer"] for row in tofu_rows)
+    tokenizer = train_bpe_tokenizer(texts, padded_vocab_size=262_144)
+    make_tiny_model(tokenizer, hidden_size=8, num_heads=2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_memory_exhaustion_ends_in_one_line_naming_the_settings_that_lower_memory(
+    tmp_path, wide_vocabulary_model_dir, tofu_mirror, entry_point
+):
+    """The allocator's refusal in the first step: one line with the settings that lower memory, the folder
+    marked failed (palu-eval refuses it) and unlocked."""
+    replaced = ("forget_split", "retain_split", "holdout_split", "span_annotations", "trainer.args.per_")
+    run = [arg for arg in QUICK_RUN if not arg.startswith(replaced)]
+    out = tmp_path / "run"
+    whole_batch = [
+        *("forget_split=forget05", "retain_split=retain95", "holdout_split=holdout05"),
+        f"span_annotations={SPANS / 'tofu_forget05.jsonl'}",
+        "trainer.args.per_device_train_batch_size=200",
+        "trainer.method_args.reference_cache=false",
+    ]
+    arguments = framework_command(tofu_mirror, wide_vocabulary_model_dir, out, whole_batch, run=run)
+    output = stopped(entry_point, arguments, address_space=4 * 2**30)
+    assert re.search(
+        rf"{program(entry_point)}: the run ran out of memory \(.*can't allocate memory.*\): lower "
+        r"trainer\.args\.per_device_train_batch_size",
+        output,
+    ), output[-3000:]
+    assert "Traceback" not in output
+    assert json.loads((out / FAILED_RUN_FILE).read_text())["reason"] == "crashed"
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_point", ["src/train.py", "palu-train"])
+def test_extreme_span_files_stop_in_one_bounded_line(tmp_path, tiny_model_dir, tofu_mirror, entry_point):
+    """A 50 MB span value and JSON nested past the recursion limit: each stops before loading in one line
+    that names the file and row, with an excerpt of the value rather than all of it."""
+    first, *rest = (SPANS / "tofu_forget01.jsonl").read_text().splitlines(keepends=True)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({**json.loads(first), "spans": "x" * 50_000_000}) + "\n" + "".join(rest))
+    deep = tmp_path / "deep.jsonl"
+    nested = json.dumps({**json.loads(first), "spans": []}).replace("[]", "[" * 100_000 + "]" * 100_000)
+    deep.write_text(nested + "\n" + "".join(rest))
+    run = [arg for arg in QUICK_RUN if not arg.startswith("span_annotations=")]
+    for spans, said in ((huge, "(50,000,002 characters)"), (deep, "line 1: JSON nested too deeply")):
+        arguments = framework_command(
+            tofu_mirror, tiny_model_dir, tmp_path / spans.stem, [f"span_annotations={spans}"], run=run
+        )
+        output = stopped(entry_point, arguments)
+        lines = [line for line in output.splitlines() if line.startswith(f"{program(entry_point)}: ")]
+        assert len(lines) == 1 and str(spans) in lines[0] and said in lines[0], output[-3000:]
+        assert len(output) < 20_000 and "Traceback" not in output

@@ -12,7 +12,11 @@ from omegaconf import OmegaConf
 from palu_lab.trainer_config import trainer_config
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.local_mirrors import dataset_loads, redirect_to_local_mirrors
+from palu_trainer.framework.local_mirrors import (
+    caching_local_folders_by_content,
+    dataset_loads,
+    redirect_to_local_mirrors,
+)
 from palu_trainer.framework.registry import register
 
 from ..conftest import make_tofu_mirror, write_jsonl
@@ -115,17 +119,27 @@ def test_mirror_redirects_training_and_eval_loads(tmp_path, tofu_dir):
     assert OmegaConf.select(cfg, "data.retain.TOFU_QA_retain.args.hf_args.path") == str(tmp_path)
 
 
-def forget01_questions(composed, mirror: Path) -> list[str]:
-    """The forget rows train.py would load with TOFU_DIR=mirror: the redirect, then the framework's loader."""
+def forget01_questions(composed, mirror: Path, given_as: str) -> list[str]:
+    """The forget rows a run would load from the folder `mirror` `given_as` TOFU_DIR (palu-train's redirect)
+    or as the datasets' path on the command line (the patched get_data, under either entry point), then the
+    framework's loader."""
     from data.utils import load_hf_dataset  # importable once compose_unlearn has registered PALU
 
     cfg = copy.deepcopy(composed)
-    redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(mirror)})
+    if given_as == "TOFU_DIR":
+        redirect_to_local_mirrors(cfg, {"TOFU_DIR": str(mirror)})
+    else:
+        cfg.data.forget.TOFU_QA_forget.args.hf_args.path = str(mirror)
+        assert caching_local_folders_by_content(cfg.data) == ["forget.TOFU_QA_forget.args.hf_args"]
     hf_args = OmegaConf.to_container(cfg.data.forget.TOFU_QA_forget.args.hf_args, resolve=True)
     return load_hf_dataset(**hf_args)["question"]
 
 
-def test_each_mirror_serves_its_current_files(tmp_path, tofu_dir):
+@pytest.mark.parametrize("given_as", ["TOFU_DIR", "path"])
+def test_each_mirror_serves_its_current_files(tmp_path, tofu_dir, given_as):
+    """`datasets` alone keys a local folder's cache by its base name and config: the second folder named
+    tofu, or the first one edited, would come from the first one's cache."""
+
     def mirror(parent, questions):
         rows = {"forget01": [{"question": q, "answer": "a"} for q in questions]}
         rows["holdout10"] = rows["forget01"]
@@ -133,11 +147,11 @@ def test_each_mirror_serves_its_current_files(tmp_path, tofu_dir):
 
     cfg = compose_unlearn(["experiment=unlearn/tofu/default", "forget_split=forget01", "task_name=t"])
     first, second = mirror("a", ["a1", "a2"]), mirror("b", ["b1"])  # same folder name: tofu
-    assert forget01_questions(cfg, first) == ["a1", "a2"]
-    assert forget01_questions(cfg, second) == ["b1"]
+    assert forget01_questions(cfg, first, given_as) == ["a1", "a2"]
+    assert forget01_questions(cfg, second, given_as) == ["b1"]
     write_jsonl(first / "forget01.json", [{"question": q, "answer": "a"} for q in ("a1", "a2", "a3")])
-    assert forget01_questions(cfg, first) == ["a1", "a2", "a3"]
-    assert forget01_questions(cfg, second) == ["b1"]
+    assert forget01_questions(cfg, first, given_as) == ["a1", "a2", "a3"]
+    assert forget01_questions(cfg, second, given_as) == ["b1"]
 
 
 def run_entry_point(*argv, timeout=120):

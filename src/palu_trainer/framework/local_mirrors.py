@@ -83,6 +83,23 @@ def redirect_to_local_mirrors(cfg, environ=os.environ) -> list[str]:
     return redirected
 
 
+def caching_local_folders_by_content(cfg) -> list[str]:
+    """Give every load of a local dataset folder in `cfg` that names no cache folder its own
+    (`mirror_cache_dir`), so that an edited file, or another folder of the same name, is read afresh rather
+    than served from the cache of the first; return the loads changed."""
+    from omegaconf import open_dict
+
+    changed = []
+    for where, hf_args in dataset_loads(cfg):
+        folder = Path(str(hf_args.get("path", ""))).expanduser()
+        if hf_args.get("cache_dir") or not folder.is_dir():
+            continue
+        with open_dict(hf_args):
+            hf_args.cache_dir = str(mirror_cache_dir(folder.resolve()))
+        changed.append(where)
+    return changed
+
+
 def hub_hint(error: BaseException, environ=os.environ) -> str | None:
     """What to do when a mirrored hub dataset cannot be reached and its variable is unset (offline)."""
     text = str(error)

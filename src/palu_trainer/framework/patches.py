@@ -150,12 +150,16 @@ def finding_hub_models(get_model):
 
 
 def checking_data(get_data, cfg):
-    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed)."""
+    """The framework's `get_data`, reading each local dataset folder through a cache of its own (`datasets`
+    keys a folder's cache by its base name and config alone, and would serve another folder's rows) and
+    refusing forget rows that are also retain rows (unless allowed)."""
     from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
+    from palu_trainer.framework.local_mirrors import caching_local_folders_by_content
 
     @functools.wraps(get_data)
-    def load(*args, **kwargs):
-        data = get_data(*args, **kwargs)
+    def load(data_cfg, *args, **kwargs):
+        caching_local_folders_by_content(data_cfg)
+        data = get_data(data_cfg, *args, **kwargs)
         problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
         if problem and not cfg.get(ALLOW_OVERLAP, False):
             raise BadInput(problem)
