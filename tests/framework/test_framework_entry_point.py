@@ -19,12 +19,12 @@ import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR
+from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR, hydra_quoted
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable
 from .test_bad_inputs import BIN, QUICK_RUN, SPANS
-from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, preempted_after, steps_logged
+from .test_run_faults import FINISHED_LOOKING, STOCK_RUN, decoy_checkout, preempted_after, steps_logged
 
 
 def framework_command(
@@ -39,7 +39,8 @@ def framework_command(
     models = [
         f"model.{args}.pretrained_model_name_or_path={model_dir}" for args in ("model_args", "tokenizer_args")
     ]
-    return [*run, *paths, *models, "~eval", "~eval.tofu", f"paths.output_dir={out_dir}", *overrides]
+    output = f"paths.output_dir={hydra_quoted(str(out_dir))}"
+    return [*run, *paths, *models, "~eval", "~eval.tofu", output, *overrides]
 
 
 def environment() -> dict:
@@ -163,7 +164,7 @@ def test_a_diverged_run_through_train_py_exits_non_zero_with_the_message_and_sav
 def test_a_preemption_through_train_py_leaves_a_checkpoint_that_train_py_resumes(
     preemption, tmp_path, tiny_model_dir, tofu_mirror
 ):
-    out = tmp_path / "run"
+    out = tmp_path / "run x=y,z"  # the printed command quotes it for Hydra and the shell
     arguments = framework_command(
         tofu_mirror, tiny_model_dir, out, ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
     )
@@ -178,7 +179,7 @@ def test_a_preemption_through_train_py_leaves_a_checkpoint_that_train_py_resumes
 
     resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0])
     assert resume[:2] == ["python", "src/train.py"]
-    assert resume[-1] == f"+trainer.args.resume_from_checkpoint={checkpoint}"
+    assert resume[-1] == f"+trainer.args.resume_from_checkpoint={hydra_quoted(str(checkpoint))}"
     resumed = run_framework_train(resume[2:])
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert steps_logged(resumed.stdout + resumed.stderr) == 60 - step
@@ -681,3 +682,22 @@ def test_extreme_span_files_stop_in_one_bounded_line(tmp_path, tiny_model_dir, t
         lines = [line for line in output.splitlines() if line.startswith(f"{program(entry_point)}: ")]
         assert len(lines) == 1 and str(spans) in lines[0] and said in lines[0], output[-3000:]
         assert len(output) < 20_000 and "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_train_py_started_in_another_checkout_imports_its_own_and_says_so(
+    tmp_path, tiny_model_dir, tofu_mirror
+):
+    """The framework's src/train.py run from a folder that holds another checkout: the plugin's code
+    imports the running script's checkout, and the log names it."""
+    decoy = decoy_checkout(tmp_path / "decoy")
+    env = {key: value for key, value in environment().items() if key != "OPEN_UNLEARNING_DIR"}
+    result = subprocess.run(
+        [sys.executable, str(checkout_dir() / "src" / "train.py"),
+         *framework_command(tofu_mirror, tiny_model_dir, tmp_path / "run", [])],
+        cwd=decoy, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f"open-unlearning imported from {checkout_dir()} (the running framework script's)" in output
+    assert "decoy" not in output

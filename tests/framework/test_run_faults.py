@@ -8,10 +8,11 @@ import shlex
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from palu_trainer.training.run_guard import FAILED_RUN_FILE
+from palu_trainer.training.run_guard import FAILED_RUN_FILE, hydra_quoted
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable
@@ -130,14 +131,15 @@ def test_a_preemption_writes_a_resumable_checkpoint_and_the_printed_command_resu
     method, preemption, tmp_path, tiny_model_dir, tofu_mirror
 ):
     command = QUICK_RUN if method == "PALU" else [*STOCK_RUN, f"trainer={method}"]
-    out = tmp_path / "run"
+    out = tmp_path / "run x=y,z"  # the printed command quotes it for Hydra and the shell
     overrides = ["+trainer.args.max_steps=60", "trainer.args.logging_steps=1"]
     models = [
         f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
         for args in ("model_args", "tokenizer_args")
     ]
     env = {**os.environ, "TOFU_DIR": str(tofu_mirror), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [str(BIN / "palu-train"), *command, f"paths.output_dir={out}", *models, *overrides]
+    output_dir = f"paths.output_dir={hydra_quoted(str(out))}"
+    argv = [str(BIN / "palu-train"), *command, output_dir, *models, *overrides]
     code, output = preempted_after(3, argv, preemption, env)
     assert code == 128 + preemption, output[-3000:]
     step = int(
@@ -150,7 +152,8 @@ def test_a_preemption_writes_a_resumable_checkpoint_and_the_printed_command_resu
     assert not (out / "model.safetensors").exists()
 
     resume = shlex.split(output.split("Resume with:\n")[1].splitlines()[0])
-    assert resume[0] == "palu-train" and resume[-1] == f"+trainer.args.resume_from_checkpoint={checkpoint}"
+    assert resume[0] == "palu-train"
+    assert resume[-1] == f"+trainer.args.resume_from_checkpoint={hydra_quoted(str(checkpoint))}"
     resumed = subprocess.run(
         [str(BIN / "palu-train"), *resume[1:]], env=env, capture_output=True, text=True, timeout=600
     )
@@ -216,6 +219,16 @@ def test_a_new_run_into_a_killed_runs_folder_stops_and_starting_over_clears_its_
     assert (out / "model.safetensors").is_file() and not (out / LOCK_FILE).exists()
 
 
+def decoy_checkout(decoy: Path) -> Path:
+    """A folder that looks like an open-unlearning checkout, whose modules refuse to be imported."""
+    for package in ("trainer", "data", "model"):
+        (decoy / "src" / package).mkdir(parents=True)
+        (decoy / "src" / package / "__init__.py").write_text("raise RuntimeError('the decoy was imported')\n")
+    (decoy / "src" / "trainer" / "unlearn").mkdir()
+    (decoy / "src" / "trainer" / "unlearn" / "base.py").write_text("")
+    return decoy
+
+
 @pytest.mark.slow
 @pytest.mark.stack
 def test_a_checkout_in_the_working_directory_does_not_override_the_chosen_one(
@@ -225,12 +238,7 @@ def test_a_checkout_in_the_working_directory_does_not_override_the_chosen_one(
     with the checkout `make setup` recorded, and logs which one it imported and why."""
     from palu_trainer.framework.checkout import CHECKOUT_RECORD, checkout_dir
 
-    decoy = tmp_path / "decoy"
-    for package in ("trainer", "data", "model"):
-        (decoy / "src" / package).mkdir(parents=True)
-        (decoy / "src" / package / "__init__.py").write_text("raise RuntimeError('the decoy was imported')\n")
-    (decoy / "src" / "trainer" / "unlearn").mkdir()
-    (decoy / "src" / "trainer" / "unlearn" / "base.py").write_text("")
+    decoy = decoy_checkout(tmp_path / "decoy")
     env = {key: value for key, value in os.environ.items() if key != "OPEN_UNLEARNING_DIR"}
     models = [
         f"model.{args}.pretrained_model_name_or_path={tiny_model_dir}"
