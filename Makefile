@@ -46,8 +46,11 @@ LAMBDA ?= 1.0
 export TOFU_DIR MODEL_DIR RETAIN_LOGS ORIGINAL_LOGS IDK_ANSWERS ATTN
 # make tofu LORA=1 (compare, muse likewise): LoRA adapters on every run's model, no second model (docs/lora.md)
 LORA ?=
+# make tofu BEST_MODEL=fq_at_mu_floor (or fq_mu_mean; compare, muse likewise): evaluate after every epoch and keep
+# the epoch that rule picks (configs/best_model/, docs/operations.md)
+BEST_MODEL ?=
 RECIPE = $(PY) -m palu_trainer.experiments.recipe --forget $(FORGET) --model $(MODEL) $(if $(GPUS),--gpus $(GPUS)) --lr $(LR) \
-	$(if $(LORA),--lora)
+	$(if $(LORA),--lora) $(if $(BEST_MODEL),--best-model $(BEST_MODEL))
 # make compare TUNE=1: the equal budget, every method at the paper's learning rates x its own knob
 TUNE ?=
 # The MUSE recipe (make muse SPLIT=News, make compare BENCH=muse): the framework's MUSE target and settings;
@@ -56,7 +59,7 @@ SPLIT ?= News
 MUSE_MODEL ?= Llama-2-7b-hf
 export MUSE_DIR
 MUSE_RECIPE = $(PY) -m palu_trainer.experiments.recipe --bench muse --split $(SPLIT) --model $(MUSE_MODEL) \
-	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR) $(if $(LORA),--lora)
+	$(if $(GPUS),--gpus $(GPUS)) --lr $(LR) $(if $(LORA),--lora) $(if $(BEST_MODEL),--best-model $(BEST_MODEL))
 
 # make demo [FAST=1] [DATA=tofu [TOFU_DIR=...]] [RUN=name] [JOBS=2] [METHODS="NPO PALU"]: the offline
 # miniature experiment, results/<run>/; make demo BENCH=muse [FAST=1] [MUSE_DIR=...]: the MUSE-News miniature

@@ -9,6 +9,9 @@ there: only the wheel provides palu_trainer and the Hydra search-path plugin.
 
 import json
 import math
+import os
+import re
+import shlex
 import site
 import subprocess
 import sys
@@ -213,3 +216,103 @@ def test_the_frameworks_own_train_py_trains_palu_tpo_and_lora_from_the_wheel_and
         assert (tmp_path / name / "model.safetensors").is_file()
     assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
     assert_eval_py_evaluates(tmp_path / "lora", tmp_path / "eval", tofu_mirror, python=python)
+
+
+@pytest.fixture(scope="module")
+def kit_tofu_mirror(tmp_path_factory, tofu_dir) -> Path:
+    """TOFU with forget01 and retain99 whole (the kit trains on them with the shipped spans) and the sets
+    only the evaluator reads cut to EVAL_ROWS rows (retain99 rows stand in for holdout01)."""
+    evaluation_only = (
+        "forget01_perturbed",
+        "retain_perturbed",
+        "real_authors_perturbed",
+        "world_facts_perturbed",
+    )
+    replaced = {name: read_jsonl(tofu_dir / f"{name}.json")[:EVAL_ROWS] for name in evaluation_only}
+    replaced["holdout01"] = read_jsonl(tofu_dir / "retain99.json")[:40]
+    return make_tofu_mirror(tmp_path_factory.mktemp("kit-tofu"), tofu_dir, replaced)
+
+
+@pytest.mark.slow(minutes=2)
+def test_the_kit_made_from_the_installed_wheel_runs_offline_on_the_cpu_as_generated(
+    installed, tmp_path, tiny_model_dir, kit_tofu_mirror
+):
+    """Issue 81: `palu-recipe kit` of the environment that has only the wheel writes the kit into a framework
+    checkout, and its run.sh, unedited, trains and evaluates there with no hub and no GPU, given only the
+    variables it declares (the model, TOFU_DIR, a one-point grid, a 2-step budget)."""
+    usage = subprocess.run(
+        [str(installed / "bin" / "palu-recipe"), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "palu-recipe kit DIR" in usage
+    checkout = tmp_path / "open-unlearning"
+    checkout.mkdir()
+    for part in ("src", "configs"):
+        (checkout / part).symlink_to(checkout_dir() / part)
+    made = subprocess.run(
+        [str(installed / "bin" / "palu-recipe"), "kit", str(checkout)], cwd=tmp_path, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
+    env = {
+        **{key: value for key, value in os.environ.items() if key not in ("TOFU_DIR", "PYTHONPATH")},
+        "HF_HUB_OFFLINE": "1", "TOFU_DIR": str(kit_tofu_mirror), "MODELS": "tiny-llama",
+        "MODEL_PATH": str(tiny_model_dir), "SPLITS": "forget01 retain99", "LRS": "1e-5", "KNOBS": "1",
+        "TRAIN_ARGS": "+trainer.args.max_steps=2", "OMP_NUM_THREADS": "1",
+        "PATH": f"{installed / 'bin'}{os.pathsep}{os.environ['PATH']}",  # `python` in run.sh: the wheel's
+    }  # fmt: skip
+    result = subprocess.run(
+        ["bash", "community/methods/PALU/run.sh"], cwd=checkout, env=env, capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    run = checkout / "saves" / "unlearn" / "tofu_tiny-llama_forget01_PALU_lr1e-5_kl_weight1"
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and (run / "model.safetensors").is_file()
+    summary = json.loads((run / "evals" / "TOFU_SUMMARY.json").read_text())
+    assert 0 < summary["forget_Q_A_Prob"] < 1 and 0 <= summary["model_utility"] < 1, summary
+    assert "local dataset mirror: " in output  # the evaluators' hub paths pointed at TOFU_DIR
+
+
+def own_environment_block(**values) -> str:
+    """docs/setup.md's block for one's own environment, its variable lines set to `values`."""
+    text = (ROOT / "docs" / "setup.md").read_text()
+    block = text.split("<!-- own-environment -->\n```bash\n")[1].split("```\n<!-- /own-environment -->")[0]
+    for name, value in values.items():
+        block, count = re.subn(rf"^{name}=.*$", f"{name}={shlex.quote(str(value))}", block, flags=re.M)
+        assert count == 1, name
+    return block
+
+
+@pytest.mark.slow(minutes=2)
+def test_the_own_environment_block_of_setup_md_installs_a_working_environment_as_written(
+    wheel, tmp_path, tiny_model_dir, tofu_mirror
+):
+    """Issue 81: the block, with only its variable lines set (this stack's checkout, the built wheel, this
+    machine's torch), makes a fresh venv in which palu-train trains PALU offline."""
+    import torch
+
+    venv = tmp_path / "venv"
+    block = own_environment_block(
+        OPEN_UNLEARNING_DIR=checkout_dir(),
+        PALU_TRAINER=wheel,
+        TORCH=f"torch=={torch.__version__}",
+        VENV=venv,
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(sys.prefix))
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=1500,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "palu-train" in result.stdout and "experiment=unlearn/tofu/palu" in result.stdout  # its --help
+    run = tmp_path / "run"
+    trained = subprocess.run(
+        [str(venv / "bin" / "palu-train"),
+         *framework_command(tofu_mirror, tiny_model_dir, run, ["+trainer.args.max_steps=2"])],
+        cwd=tmp_path, env={**env, "OPEN_UNLEARNING_DIR": str(checkout_dir()), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-4000:]
+    assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 2

@@ -56,12 +56,12 @@ def _base(choices: tuple[str, ...]):
 def composed(overrides):
     """The config palu-train would run (with its `hydra` node), as the pre-checks see it.
 
-    Config groups (`experiment=`, `trainer=`) are composed by Hydra, once per combination; the other
-    overrides are set on a copy, values parsed as Hydra parses them (YAML scalars).
+    Config groups (`experiment=`, `trainer=`, `+best_model=`) are composed by Hydra, once per combination;
+    the other overrides are set on a copy, values parsed as Hydra parses them (YAML scalars).
     """
     from palu_trainer.framework.checks import config_problems  # needs the framework importable
 
-    groups = tuple(o for o in overrides if o.split("=")[0] in ("experiment", "trainer"))
+    groups = tuple(o for o in overrides if o.split("=")[0] in ("experiment", "trainer", "+best_model"))
     cfg = copy.deepcopy(_base(groups))
     for override in overrides:
         if override not in groups:
@@ -136,6 +136,18 @@ def bad_places(tmp_path_factory):
         (["+peft.r=0"], r"^peft\.r=0: must be an integer >= 1 \(the adapters' rank\)"),
         (["+peft.rank=8"], r"^peft\.rank is not an option of LoRA \(\+peft=lora\): its options are alpha"),
         (["+peft.dropout=1.5"], r"^peft\.dropout=1\.5: must be a number >= 0 and < 1"),
+        (
+            ["+best_model=fq_at_mu_floor", "best_model.mu_share=2"],
+            r"^best_model\.mu_share=2: must be a number",
+        ),
+        (
+            ["+best_model=fq_mu_mean", "trainer.args.eval_strategy=steps"],
+            r"^trainer\.args\.eval_strategy=steps undoes best_model, which needs epoch \(keep what configs/",
+        ),
+        (
+            ["+best_model=fq_at_mu_floor", "trainer.args.metric_for_best_model=loss"],
+            r"^trainer\.args\.metric_for_best_model=loss undoes best_model, which needs palu_selection",
+        ),
     ],
 )
 def test_config_checks_name_the_option_and_the_fix(overrides, message, bad_places, tmp_path):

@@ -431,3 +431,72 @@ def test_a_killed_rank_ends_the_run_in_one_line_marked_failed_and_the_next_run_c
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         # any training run's start removes it (here this one's, unless another started first)
         assert not (Path("/dev/shm") / buffers[0]).exists()
+
+
+EVALUATED_METRICS = ("forget_Q_A_Prob", "forget_Q_A_ROUGE")  # one of probabilities, one of generation
+NOT_EVALUATING = ("trainer.args.do_eval", "trainer.args.eval_on_start", "trainer.args.eval_strategy", "~eval")
+
+
+def evaluating(command: list[str]) -> list[str]:
+    """`command` with the framework's TOFU evaluator (cut to EVALUATED_METRICS, answers of 16 tokens, its
+    data from TOFU_DIR) run at the start and after every 2 steps."""
+    others = ("forget_truth_ratio", "forget_quality", "model_utility", "privleak", "extraction_strength")
+    return [
+        *(arg for arg in command if not arg.startswith(NOT_EVALUATING)),
+        "trainer.args.do_eval=true",
+        "trainer.args.eval_on_start=true",
+        "trainer.args.eval_strategy=steps",
+        "+trainer.args.eval_steps=2",
+        "eval.tofu.overwrite=true",
+        "eval.tofu.metrics.forget_Q_A_ROUGE.generation_args.max_new_tokens=16",
+        *(f"~eval.tofu.metrics.{metric}" for metric in others),
+    ]
+
+
+def evaluations(out_dir) -> dict[int, dict]:
+    history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry for entry in history if EVALUATED_METRICS[0] in entry}
+
+
+@pytest.fixture(scope="module")
+def evaluated_in_one_process(tmp_path_factory, uneven_data, tiny_model_dir) -> dict[int, dict]:
+    """The evaluations of a 2-step run in one process (both rows in each step)."""
+    out = tmp_path_factory.mktemp("evaluated-in-one-process")
+    overrides = list(CONFIGURATIONS["PALU-reference-cache-tied"][0])
+    command, env = launch([str(PALU_TRAIN)], overrides, uneven_data, tiny_model_dir, out, 1, 2)
+    result = subprocess.run(evaluating(command), env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return evaluations(out)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("entry_point", ["palu-train", "src/train.py"])
+def test_evaluation_during_training_under_zero3_gives_the_one_process_metrics(
+    tmp_path, uneven_data, tiny_model_dir, zero3_config, evaluated_in_one_process, entry_point
+):
+    """The framework's evaluators at the start and after 2 steps of a ZeRO-3 run on 2 ranks (where the
+    framework's own `evaluate` warns and returns nothing), offline: every rank evaluates, the main one
+    writes checkpoint-<step>/evals, and the metrics equal a one-process run's at the same weights."""
+    overrides = list(CONFIGURATIONS["PALU-reference-cache-tied"][0])
+    launcher = zero3_launcher(zero3_config, entry_point=entry_point)
+    command, env = launch(launcher, overrides, uneven_data, tiny_model_dir, tmp_path / "two", 2, 2)
+    result = subprocess.run(
+        evaluating(command), env=env, capture_output=True, text=True, timeout=900, cwd=checkout_dir()
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "Custom evaluator can be run with this Trainer only when a single" not in output
+    one, two = evaluated_in_one_process, evaluations(tmp_path / "two")
+    assert sorted(two) == sorted(one) == [0, 2]
+    # the same weights (step 0) give the same metrics; after steps, ZeRO-3's rounding moves the weights by a
+    # little (assert_same_run), which the probability follows closely and greedy generation may not
+    for metric in EVALUATED_METRICS:
+        assert two[0][metric] == pytest.approx(one[0][metric], rel=1e-6), metric
+    for step in one:
+        print(f"step {step}: 2 ranks {[two[step][m] for m in EVALUATED_METRICS]}, 1 process "
+              f"{[one[step][m] for m in EVALUATED_METRICS]}")  # fmt: skip
+        assert two[step][EVALUATED_METRICS[0]] == pytest.approx(one[step][EVALUATED_METRICS[0]], rel=1e-3)
+        assert 0 <= two[step][EVALUATED_METRICS[1]] <= 1
+        evals = tmp_path / "two" / f"checkpoint-{step}" / "evals"
+        summary = json.loads((evals / "TOFU_SUMMARY.json").read_text())
+        assert summary[EVALUATED_METRICS[0]] == pytest.approx(two[step][EVALUATED_METRICS[0]])

@@ -1,20 +1,19 @@
 """`palu-recipe kit DIR`: PALU's and TPO's contribution folders in open-unlearning's format
 (`community/methods/<NAME>/README.md` and `run.sh`, as its contributing guide asks) written into a framework
-checkout DIR. The README's results are the measured real-model table of this project's README, with its model,
-commits and dates; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`, with the plugin
-installed."""
+checkout DIR. The README's results are the kit's `results.md` (package data, so the kit works from the wheel):
+the measured real-model table of this project's README, with its model, commits and dates, told without
+reference to the rest of that README; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`,
+with the plugin installed."""
 
 import argparse
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
 
-from palu_trainer.framework.checkout import PROJECT_ROOT, RESOURCES_DIR
+from palu_trainer.framework.checkout import RESOURCES_DIR
 
-RESULTS_HEADING = "### Unlearning on a real pretrained model at the paper's budget"
-KIT_DIR = RESOURCES_DIR / "kit"  # the templates: README.md, run.sh, <name>.bib, contributions.yaml
+KIT_DIR = RESOURCES_DIR / "kit"  # templates: README.md, run.sh, results.md, <name>.bib, contributions.yaml
 
 
 def contributions() -> list[SimpleNamespace]:
@@ -25,31 +24,16 @@ def contributions() -> list[SimpleNamespace]:
     ]
 
 
-def measured_results(readme: Path) -> str:
-    """The real-model section of this project's README, from its heading to the end of its table."""
-    if not readme.is_file():
-        raise FileNotFoundError(
-            f"{readme} not found: run `palu-recipe kit` from a palu-trainer checkout, whose README holds the "
-            "measured table it copies"
-        )
-    text = readme.read_text()
-    start = text.index(RESULTS_HEADING)
-    table = re.search(r"(\n\|.*)+\n", text[start:])
-    section = text[start : start + table.end()].replace("### ", "### Measured: ", 1)
-
-    # links into this project's docs name the file instead: they do not resolve in the framework's repository
-    def named(link: re.Match) -> str:
-        text, target = link.groups()
-        return f"palu-trainer's {target}" if target.startswith(text) else f"{text} (palu-trainer's {target})"
-
-    return re.sub(r"\[([^\]]+)\]\((docs/[^)]+)\)", named, section).strip() + "\n"
+def measured_results() -> str:
+    """The measured table and how it was made (`results.md`)."""
+    return (KIT_DIR / "results.md").read_text()
 
 
-def write_kit(checkout: Path, readme: Path = PROJECT_ROOT / "README.md") -> list[Path]:
+def write_kit(checkout: Path) -> list[Path]:
     """Write `community/methods/{PALU,TPO}/` into the framework checkout `checkout`; returns the files."""
     if not (checkout / "src" / "train.py").is_file():
         raise FileNotFoundError(f"{checkout} is not an open-unlearning checkout (no src/train.py)")
-    results = measured_results(readme)
+    results = measured_results()
     written = []
     for contribution in contributions():
         folder = checkout / "community" / "methods" / contribution.name

@@ -101,6 +101,7 @@ class RecipeSettings:
     # the attention every run uses, when it differs from the model config's (choose_attention)
     attn_implementation: str | None = None
     lora: bool = False  # +peft=lora: adapters on every method's model, the reference without a copy
+    best_model: str | None = None  # +best_model=RULE: evaluate every epoch, keep the rule's pick
 
     @property
     def splits(self) -> tuple[str, str, str]:
@@ -248,6 +249,8 @@ def unlearn_command(settings: RecipeSettings, method: str, accelerate_config: Pa
         command.append(f"idk_path={settings.idk_answers_path}")
     if settings.lora:
         command.append("+peft=lora")
+    if settings.best_model:
+        command.append(f"+best_model={settings.best_model}")
     return [*command, *settings.extra]
 
 
@@ -435,7 +438,12 @@ def main(argv=None) -> None:
         from palu_trainer.experiments.kit import main as kit
 
         return kit(argv[1:])
-    parser = argparse.ArgumentParser(prog="palu-recipe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="palu-recipe",
+        description=__doc__.splitlines()[0],
+        epilog="palu-recipe kit DIR: write PALU's and TPO's folders in the framework's contribution format "
+        "(community/methods/<NAME>/README.md and run.sh) into the open-unlearning checkout DIR",
+    )
     parser.add_argument("--bench", choices=list(BENCHMARKS), default="tofu")
     parser.add_argument("--forget", choices=sorted(TOFU.splits), default="05", help="TOFU's forget split")
     parser.add_argument("--split", choices=list(MUSE.splits), default="News", help="MUSE's corpus")
@@ -481,6 +489,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--lora", action="store_true", help="LoRA adapters on every run's model (+peft=lora, docs/lora.md)"
     )
+    parser.add_argument(
+        "--best-model",
+        choices=("fq_at_mu_floor", "fq_mu_mean"),
+        help="evaluate every run after each epoch and keep the epoch this rule picks (configs/best_model/)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = parser.parse_args(argv)
     if args.ablation and (args.tune or args.methods != ["PALU"]):
@@ -494,7 +507,7 @@ def main(argv=None) -> None:
     settings_class, subset = (MuseRecipeSettings, args.split) if muse else (RecipeSettings, args.forget)
     model = args.model or ("Llama-2-7b-hf" if muse else "Llama-2-7b-chat-hf")
     attention, warnings, attention_problems = choose_attention(model, args.attn)
-    passed = ("kl_weight", "model_dir", "retain_logs", "idk_answers", "original_logs", "lora")
+    passed = ("kl_weight", "model_dir", "retain_logs", "idk_answers", "original_logs", "lora", "best_model")
     passed = {key: vars(args)[key] for key in passed}  # the options named as RecipeSettings' fields
     settings = settings_class(subset, model, gpus, args.lr, attn_implementation=attention, **passed)
     accelerate_dir = Path("saves/accelerate")

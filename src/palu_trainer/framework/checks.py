@@ -28,7 +28,7 @@ from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
 from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
 from palu_trainer.training.run_lock import running_run
-from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options
+from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options, written
 
 
 class BadInput(ValueError):
@@ -391,6 +391,37 @@ def peft_problem(cfg, script) -> str | None:
     return None
 
 
+def best_model_problem(cfg, script) -> str | None:
+    """`best_model` (configs/best_model/) set with bad options, or on a run that does not evaluate during
+    training or whose checkpoints cannot be the kept model."""
+    from palu_trainer.training.best_model import SCORE, BestModelOptions
+
+    node = cfg.get("best_model")
+    if node is None:
+        return None
+    if not isinstance(node, DictConfig):
+        return f"best_model={node!r}: choose one of its configs, +best_model=fq_at_mu_floor or fq_mu_mean"
+    if problem := BestModelOptions.problem(OmegaConf.to_container(node, resolve=True), "best_model."):
+        return problem
+    if not cfg.get("eval"):
+        return "best_model needs the framework's evaluators during training, and this run has no eval config"
+    args = cfg.trainer.args
+    wanted = {
+        "eval_strategy": (args.get("eval_strategy"), args.get("save_strategy")),
+        "load_best_model_at_end": (args.get("load_best_model_at_end"), True),
+        "metric_for_best_model": (args.get("metric_for_best_model"), SCORE),
+        "greater_is_better": (args.get("greater_is_better"), True),
+    }
+    for name, (value, needed) in wanted.items():
+        if value != needed or value in (None, "no"):
+            return (
+                f"trainer.args.{name}={written(value)} undoes best_model, which needs {written(needed)} "
+                "(keep what configs/best_model/ sets: an evaluation and a checkpoint at every epoch, "
+                f"eval_on_start=true, load_best_model_at_end=true, metric_for_best_model={SCORE})"
+            )
+    return None
+
+
 # (scripts, check): each returns the problem's message or None.
 CONFIG_CHECKS = (
     (("train", "eval"), output_dir_problem),
@@ -404,6 +435,7 @@ CONFIG_CHECKS = (
     (("train",), dataset_arguments_problem),
     (("train",), initiating_problem),
     (("train", "eval"), peft_problem),
+    (("train",), best_model_problem),
 )
 
 # Settings with a real use that still surprise: warned about.

@@ -25,12 +25,14 @@ from palu_trainer.training.run_guard import RunStopped
 logger = logging.getLogger(__name__)
 
 PATCHED = "palu_trainer_patched"  # set on a framework script's module once its loaders are wrapped
+READING_MIRRORS = "palu_trainer_reads_mirrors"  # set once its data and evaluators read TOFU_DIR, MUSE_DIR
 
 # (what is patched, overridden or called, the leading parameters relied on): the framework's as at d3d7cf9,
 # 4ad738a and c3301d8, transformers' 4.45 to 5.5, DeepSpeed's 0.15 to 0.18, Hydra's 1.3
 INTERFACES = (
     ("model.get_model", ("model_cfg",)),
     ("data.get_data", ("data_cfg", "mode")),
+    ("evals.get_evaluators", ("eval_cfgs",)),
     ("trainer.load_trainer", ("trainer_cfg", "model", "train_dataset")),  # then tokenizer or processing_class
     ("trainer.TRAINER_REGISTRY", None),
     ("trainer.unlearn.grad_diff.GradDiff._prepare_ref_model", ("self", "model")),
@@ -150,16 +152,12 @@ def finding_hub_models(get_model):
 
 
 def checking_data(get_data, cfg):
-    """The framework's `get_data`, reading each local dataset folder through a cache of its own (`datasets`
-    keys a folder's cache by its base name and config alone, and would serve another folder's rows) and
-    refusing forget rows that are also retain rows (unless allowed)."""
+    """The framework's `get_data`, refusing forget rows that are also retain rows (unless allowed)."""
     from palu_trainer.framework.checks import ALLOW_OVERLAP, BadInput, forget_retain_overlap
-    from palu_trainer.framework.local_mirrors import caching_local_folders_by_content
 
     @functools.wraps(get_data)
-    def load(data_cfg, *args, **kwargs):
-        caching_local_folders_by_content(data_cfg)
-        data = get_data(data_cfg, *args, **kwargs)
+    def load(*args, **kwargs):
+        data = get_data(*args, **kwargs)
         problem = forget_retain_overlap(data.get("train"), cfg.get("forget_split"), cfg.get("retain_split"))
         if problem and not cfg.get(ALLOW_OVERLAP, False):
             raise BadInput(problem)
@@ -395,6 +393,22 @@ def recording_options(trainer, trainer_args, options: dict):
     return trainer, trainer_args
 
 
+@loader_wrapper
+def keeping_the_best_model(trainer, trainer_args, options):
+    """A trainer that scores each evaluation by the `best_model` rule of `options`
+    (`training.best_model.ModelSelection`) and records which one its output folder keeps."""
+    from palu_trainer.training.best_model import ModelSelection
+
+    if not hasattr(trainer, "run_guard"):
+        raise RunStopped(
+            f"best_model needs a trainer of this plugin's: {type(trainer).__name__} is the framework's own "
+            "under src/train.py (palu-train guards every trainer)"
+        )
+    trainer.model_selection = ModelSelection(options)
+    trainer.add_callback(trainer.model_selection)
+    return trainer, trainer_args
+
+
 def stopping_on_bad_input(load):
     """`load`, whose BadInput or AnnotationError (a bad span file: file, row and fix named) stops the run with
     the message alone: under src/train.py nothing else would catch it."""
@@ -419,12 +433,49 @@ def releasing_shared_memory() -> None:
     atexit.register(crashes.release_shared_memory)
 
 
+def reading_local_mirrors(module) -> None:
+    """The running framework script's `get_data` and `get_evaluators` (`module`: train.py or eval.py, with
+    any experiment, the framework's own too), pointing each hub dataset that `TOFU_DIR` or `MUSE_DIR` mirrors
+    at that folder as they load (`local_mirrors.redirect_to_local_mirrors`: offline, the evaluators' 23 TOFU
+    paths and the training data need no override; a mirror that lacks a split stops in one line), and reading
+    every local dataset folder through a cache of its own (`datasets` keys a folder's cache by its base name
+    and config alone, and would serve another folder's rows)."""
+    from palu_trainer.framework.local_mirrors import (
+        caching_local_folders_by_content,
+        redirect_to_local_mirrors,
+    )
+
+    if getattr(module, READING_MIRRORS, False):
+        return
+    setattr(module, READING_MIRRORS, True)
+
+    def redirecting(load, parameter: str):
+        @functools.wraps(load)
+        def loaded(*args, **kwargs):
+            cfg = kwargs.get(parameter, args[0] if args else None)
+            if cfg is not None:
+                try:
+                    for line in redirect_to_local_mirrors(cfg):
+                        logger.info("local dataset mirror: %s", line)
+                except FileNotFoundError as error:
+                    raise RunStopped(str(error)) from None
+                caching_local_folders_by_content(cfg)
+            return load(*args, **kwargs)
+
+        return loaded
+
+    for name, parameter in (("get_data", "data_cfg"), ("get_evaluators", "eval_cfgs")):
+        if hasattr(module, name):
+            setattr(module, name, redirecting(getattr(module, name), parameter))
+
+
 def patch_framework_script(module, cfg) -> None:
     """Wrap the loaders of the running framework script (`module`: train.py or eval.py) for the run `cfg`."""
     if getattr(module, PATCHED, False):
         return  # palu-train patches every run; a config's Hydra callback asks again
     setattr(module, PATCHED, True)
     logger.info("open-unlearning imported from %s (%s)", *imported_checkout())
+    reading_local_mirrors(module)
     if hasattr(module, "load_trainer"):
         releasing_shared_memory()
     get_model = upcasting_evaluation_logits(
@@ -440,6 +491,11 @@ def patch_framework_script(module, cfg) -> None:
         from palu_trainer.framework.checks import run_options
 
         module.load_trainer = recording_options(module.load_trainer, run_options(cfg))
+        if cfg.get("best_model") is not None:
+            from palu_trainer.training.best_model import BestModelOptions
+
+            options = BestModelOptions.parse(cfg.best_model, "best_model.")
+            module.load_trainer = keeping_the_best_model(module.load_trainer, options)
 
 
 def patch_palu_train_script(module, checkpoint: str | None, allow_other_data: bool) -> None:

@@ -15,9 +15,15 @@ def framework_running() -> bool:
 
 def register_into_running_framework() -> None:
     """Register PALU when Hydra runs the search-path plugin (`hydra_plugins/palu_trainer_searchpath`) in
-    open-unlearning's own scripts; in any other Hydra app nothing is imported."""
+    open-unlearning's own scripts, whose data and evaluators then read `TOFU_DIR`/`MUSE_DIR` whatever the
+    experiment; in any other Hydra app nothing is imported."""
     if framework_running():
         register()
+        script = sys.modules.get("__main__")
+        if hasattr(script, "get_evaluators") and hasattr(script, "main"):
+            from palu_trainer.framework.patches import reading_local_mirrors
+
+            reading_local_mirrors(script)
 
 
 def register() -> None:

@@ -319,6 +319,9 @@ class RunGuard(TrainerCallback):
             trainer.save_checkpoint_state(staging / folder.name)
             trainer.accelerator.wait_for_everyone()
             if trainer.is_world_process_zero():
+                evaluated = folder / "evals"  # the framework's evaluation at this step, written before it
+                if evaluated.is_dir():
+                    evaluated.rename(staging / folder.name / "evals")
                 shutil.rmtree(folder, ignore_errors=True)
                 (staging / folder.name).rename(folder)
                 staging.rmdir()

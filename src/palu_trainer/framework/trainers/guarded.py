@@ -4,7 +4,9 @@ palu-train: a loss that is a mean per micro-batch, non-reentrant activation chec
 `trainer.args.resume_from_checkpoint`."""
 
 import logging
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
@@ -56,6 +58,43 @@ class GuardedTrainer:
 
     def train(self, *args, **kwargs):
         return self.run_guard.train(super().train, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", trial=None):
+        """The framework's evaluators' metrics (under several processes too: `evaluate_on_every_rank`),
+        scored by the run's `best_model` rule when it has one (`training.best_model`; the framework's
+        `evaluate` calls no callback with them)."""
+        if getattr(self, "evaluators", None) and self.accelerator.num_processes > 1:
+            metrics = self.evaluate_on_every_rank(trial)
+        else:
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, trial)
+        selection = getattr(self, "model_selection", None)
+        if selection is not None and metrics:
+            selection.judge(metrics, self.state, self.control)
+        return metrics
+
+    def evaluate_on_every_rank(self, trial) -> dict:
+        """The framework's evaluators under several processes, where its own `evaluate` warns and returns
+        nothing: every rank runs every evaluator on the whole of each set (ZeRO-3 needs every rank in each
+        forward pass and each generation step, since each holds a shard of the weights), so the metrics
+        are the same on every rank and nothing is gathered; the main process writes the evaluation files
+        where one process would (`checkpoint-<step>/evals`), the others into a folder of their own."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.accelerator.is_main_process:
+            folder = Path(self._get_output_dir(trial=trial)) / step / "evals"
+        else:
+            folder = Path(tempfile.mkdtemp(prefix=f"palu-evals-rank{self.accelerator.process_index}-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        arguments = {"template_args": self.template_args, "model": self.model, "tokenizer": tokenizer}
+        metrics = {}
+        for evaluator in self.evaluators.values():
+            metrics.update(evaluator.evaluate(output_dir=str(folder), **arguments))
+        if not self.accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.log(metrics)
+        return metrics
 
     def save_checkpoint_state(self, folder: Path) -> None:
         """Write what this trainer's checkpoints hold beyond the Trainer's own files into `folder`, the
