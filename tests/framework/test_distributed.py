@@ -322,30 +322,37 @@ def test_ddp_two_uneven_ranks(tmp_path, uneven_data, model_dirs, single_process)
 
 
 RESUMED_STEPS = 6
+RESUMED_OVERRIDES = [*CONFIGURATIONS["PALU-reference-cache-tied"][0], "trainer.args.save_only_model=false"]
+
+
+def logged_steps(out_dir) -> dict[int, dict]:
+    history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry for entry in history if "loss" in entry}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_zero3_run(tmp_path_factory, uneven_data, model_dirs, zero3_config) -> dict[int, dict]:
+    """The logged steps of a ZeRO-3 run never stopped, through palu-train: the losses of both entry points'
+    resumed runs (the entry points train alike: test_framework_entry_point)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    launcher = zero3_launcher(zero3_config)
+    command, env = launch(launcher, RESUMED_OVERRIDES, uneven_data, model_dirs[True], out, 2, RESUMED_STEPS)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=checkout_dir())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return logged_steps(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("entry_point", [pytest.param("palu-train", marks=pytest.mark.stack), "src/train.py"])
 def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
-    tmp_path, uneven_data, model_dirs, zero3_config, entry_point
+    tmp_path, uneven_data, model_dirs, zero3_config, uninterrupted_zero3_run, entry_point
 ):
     """The documented path on a cluster: SIGTERM to the launcher writes a checkpoint and prints the command
     that resumes it; run under the launcher again, it finishes with the losses of a run never stopped (the
     reference cache comes back from the checkpoint: under ZeRO-3 it cannot be rebuilt before the
     checkpoint's weights load)."""
-    overrides = [*CONFIGURATIONS["PALU-reference-cache-tied"][0], "trainer.args.save_only_model=false"]
-    model_dir = model_dirs[True]
-
-    def losses(out_dir):
-        history = json.loads((out_dir / "trainer_state.json").read_text())["log_history"]
-        return {entry["step"]: entry for entry in history if "loss" in entry}
-
-    whole = tmp_path / "whole"
+    overrides, model_dir = RESUMED_OVERRIDES, model_dirs[True]
     launcher = zero3_launcher(zero3_config, entry_point=entry_point)
-    command, env = launch(launcher, overrides, uneven_data, model_dir, whole, 2, RESUMED_STEPS)
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=checkout_dir())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
     stopped = tmp_path / "stopped"
     command, env = launch(launcher, overrides, uneven_data, model_dir, stopped, 2, RESUMED_STEPS)
     code, output = preempted_after(
@@ -364,7 +371,7 @@ def test_a_sigtermed_zero3_run_resumes_with_the_uninterrupted_runs_losses(
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
     assert f"reference cache read from {stopped / f'checkpoint-{step}'}" in resumed.stdout + resumed.stderr
-    uninterrupted, continued = losses(whole), losses(stopped)
+    uninterrupted, continued = uninterrupted_zero3_run, logged_steps(stopped)
     assert sorted(continued) == list(range(1, RESUMED_STEPS + 1))
     for key in LOGGED["PALU"]:
         for number in range(step + 1, RESUMED_STEPS + 1):

@@ -510,9 +510,10 @@ class Payload:
 def test_the_fifth_sweeps_refusals_through_both_entry_points(
     tmp_path, tiny_model_dir, tofu_mirror, entry_point
 ):
-    """Each stops before loading, in one line: an offline hub id and a mistyped path; a new run beside an
-    earlier run's checkpoints; a resume from a checkpoint holding a pickle payload (never loaded); a resume
-    from a checkpoint that started from another model."""
+    """Each stops before loading, in one line: an offline hub id and a mistyped path (palu-train before it
+    imports torch, transformers or the framework); a new run beside an earlier run's checkpoints; a resume
+    from a checkpoint holding a pickle payload (never loaded); a resume from a checkpoint that started from
+    another model."""
     import torch
 
     out = tmp_path / "run"
@@ -525,13 +526,16 @@ def test_the_fifth_sweeps_refusals_through_both_entry_points(
         ("saves/unlearn/typo", "no such folder (a hub id is owner/name)"),
     ):
         arguments = framework_command(tofu_mirror, model, out, [])
-        result = train_through(entry_point, arguments, HF_HUB_OFFLINE="1")
-        output = result.stdout + result.stderr
-        assert (
-            result.returncode == 1
-            and f"{prefix}model.model_args.pretrained_model_name_or_path={model}" in output
-        )
-        assert said in output and "Traceback" not in output, output[-3000:]
+        result = train_through(entry_point, arguments, HF_HUB_OFFLINE="1", PYTHONPROFILEIMPORTTIME="1")
+        lines = (result.stdout + result.stderr).splitlines()
+        imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+        said_lines = [line for line in lines if line.startswith(prefix)]
+        assert result.returncode == 1 and len(said_lines) == 1, lines[-40:]
+        assert said_lines[0].startswith(f"{prefix}model.model_args.pretrained_model_name_or_path={model}")
+        assert said in said_lines[0] and not any("Traceback" in line for line in lines)
+        if entry_point == "palu-train":
+            assert [line for line in lines if not line.startswith("import time:")] == said_lines, lines
+            assert not {"torch", "transformers", "trainer", "data"} & imported
 
     checkpoint = planted_checkpoint(out)
     output = stopped(entry_point, framework_command(tofu_mirror, tiny_model_dir, out, []))

@@ -213,7 +213,7 @@ def test_a_lora_checkpoint_on_a_lora_checkpoint_loads_both_adapters(tiny_model_d
 
 
 def test_a_lora_checkpoint_is_a_model_path_while_its_base_model_is_there(tmp_path, tiny_model_dir):
-    from palu_trainer.framework.checks import model_path_problem
+    from palu_trainer.framework.model_paths import model_path_problem
 
     checkpoint = tmp_path / "run" / "checkpoint-5"
     checkpoint.mkdir(parents=True)

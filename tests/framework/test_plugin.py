@@ -159,6 +159,16 @@ def run_entry_point(*argv, timeout=120):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
+def unloaded_model(folder: Path) -> list[str]:
+    """Overrides naming `folder`, made to pass for a saved model, for a run that stops before loading one:
+    the config's hub id, offline, would stop it first."""
+    folder.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (folder / name).write_text("{}")
+    keys = (f"model.{part}.pretrained_model_name_or_path" for part in ("model_args", "tokenizer_args"))
+    return [f"{key}={folder}" for key in keys]
+
+
 @pytest.mark.slow
 def test_help_is_a_short_usage_and_hydras_stays_reachable():
     result = run_entry_point("--help")
@@ -198,6 +208,7 @@ def test_a_cpu_run_without_the_cpu_overlay_stops_before_loading(tmp_path):
     two compositions of the config, not three."""
     command = [sys.executable, "-c", COUNTING_COMPOSITIONS, "--config-name=unlearn.yaml"]
     command += ["experiment=unlearn/tofu/palu", f"paths.output_dir={tmp_path}", "task_name=t"]
+    command += unloaded_model(tmp_path / "model")
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "palu-train: no CUDA device: add `+runtime=cpu` to the command line" in result.stderr
@@ -220,6 +231,7 @@ def test_resuming_from_a_model_only_checkpoint_stops_before_loading(tmp_path):
         f"paths.output_dir={tmp_path}",
         f"+trainer.args.resume_from_checkpoint={checkpoint}",
         "task_name=t",
+        *unloaded_model(tmp_path / "model"),
     )
     assert result.returncode == 1
     assert f"resume_from_checkpoint={checkpoint} holds no optimizer state" in result.stderr

@@ -19,6 +19,8 @@ from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.trainers.palu import PALUTrainer
 from palu_trainer.framework.trainers.tpo import TPOTrainer
 
+from .test_plugin import unloaded_model
+
 ROOT = Path(__file__).resolve().parents[2]
 # What each tested framework commit's requirements.txt pins, of the libraries the plugin also requires.
 TESTED_PINS = {
@@ -182,7 +184,10 @@ def test_palu_train_stops_on_the_combination_before_a_type_error(tmp_path):
     requirements = checkout / "requirements.txt"
     requirements.write_text(requirements.read_text().replace("transformers==4.45.1", "transformers==4.51.3"))
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "palu-train"), "--config-name=unlearn.yaml", "+runtime=cpu"],
+        [
+            *(str(Path(sys.executable).parent / "palu-train"), "--config-name=unlearn.yaml", "+runtime=cpu"),
+            *unloaded_model(tmp_path / "model"),
+        ],
         env={"PATH": "/usr/bin:/bin", "OPEN_UNLEARNING_DIR": str(checkout), "HOME": str(tmp_path)},
         capture_output=True,
         text=True,

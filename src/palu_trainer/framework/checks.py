@@ -14,10 +14,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import create_model
 from transformers import TrainerCallback
-from transformers.utils import ADAPTER_CONFIG_NAME
 
 from palu_trainer.framework.datasets import DatasetArguments
-from palu_trainer.framework.lora import LoraSettings, adapter_checkpoint_base
+from palu_trainer.framework.lora import LoraSettings
+from palu_trainer.framework.model_paths import model_path_problem
 from palu_trainer.framework.training_arguments import (
     forget_weight_problem,
     no_training_warning,
@@ -26,8 +26,7 @@ from palu_trainer.framework.training_arguments import (
 from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.method.options import STOCK_RETAIN_LOSS_TYPES
 from palu_trainer.training.resume import checkpoints_newest_first
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem, final_weights
-from palu_trainer.training.run_lock import running_run
+from palu_trainer.training.run_guard import FAILED_RUN_FILE, final_weights
 from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options, written
 
 
@@ -84,95 +83,6 @@ def output_dir_problem(cfg, script) -> str | None:
             f"{where}: cannot write there ({error.strerror or error}); choose a writable folder "
             "(a read-only filesystem, /proc and /sys cannot hold the run)"
         )
-    return None
-
-
-def is_local_path(value: str) -> bool:
-    """A model reference that names a folder here rather than a hub id."""
-    return value.startswith((".", "/", "~")) or Path(value).expanduser().exists()
-
-
-def hub_reachable() -> bool:
-    """Whether the Hugging Face hub answers within a second and a half (HF_HUB_OFFLINE: no)."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        socket.create_connection((urlparse(constants.ENDPOINT).hostname, 443), timeout=1.5).close()
-    except OSError:
-        return False
-    return True
-
-
-def hub_model_problem(key: str, value: str, file_name: str) -> str | None:
-    """A hub id that is not in the local cache while the hub cannot be reached (offline): found in about a
-    second when the model loads (`patches.finding_hub_models`), instead of the hub client's retries and
-    tracebacks."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(value, file_name)
-    except ValueError:  # not a valid repo id either
-        return f"{key}={value}: no such folder, and not a hub id; give a saved model folder"
-    if isinstance(cached, str) or hub_reachable():
-        return None
-    return (
-        f"{key}={value} is not a local folder, not in the Hugging Face cache, and the hub cannot be reached "
-        "(offline): give the path of a saved model folder (a mistyped path reads as a hub id), or download "
-        "the model where the hub is reachable"
-    )
-
-
-def model_path_problem(cfg, script) -> str | None:
-    """A local model or tokenizer folder that is not a saved model: missing, or an interrupted run's."""
-    needs = {"model_args": ("config.json",), "tokenizer_args": ("tokenizer_config.json", "tokenizer.json")}
-    for args, files in needs.items():
-        key = f"model.{args}.pretrained_model_name_or_path"
-        value = OmegaConf.select(cfg, key)
-        if not isinstance(value, str):
-            continue
-        if not is_local_path(value):
-            if value.count("/") > 1:
-                return f"{key}={value}: no such folder (a hub id is owner/name); give a saved model folder"
-            continue  # a hub id: `hub_model_problem` when the model loads
-        path = Path(value).expanduser()
-        if not path.is_dir():
-            return f"{key}={value}: no such folder; give a saved model folder or a hub id"
-        if running := running_run(path):
-            return (
-                f"{key}={value} belongs to a run that is still going ({running}): its final model is saved "
-                "last; evaluate the folder once that run has finished"
-            )
-        if failed := failed_run_problem(key, path):
-            return failed
-        if any((path / name).is_file() for name in files):
-            continue
-        if args == "model_args" and (path / ADAPTER_CONFIG_NAME).is_file():
-            # a LoRA run's checkpoint (its adapter only) loads onto the base model its adapter config names
-            try:
-                base = adapter_checkpoint_base(value)
-            except ValueError as error:
-                return f"{key}={value}: {error}"
-            if is_local_path(base) and not (Path(base).expanduser() / "config.json").is_file():
-                return (
-                    f"{key}={value} is a LoRA checkpoint (its adapter only), and its base model {base} "
-                    f"({ADAPTER_CONFIG_NAME}: base_model_name_or_path) is not a saved model folder: put the "
-                    "model the run started from back there, or evaluate the run's final folder, which holds "
-                    "the merged weights"
-                )
-            continue
-        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1] or 0))
-        if checkpoints:
-            return (
-                f"{key}={value} is an interrupted run's folder: it holds checkpoints but no final model "
-                f"(no {files[0]}). Use a checkpoint, e.g. {key}={checkpoints[-1]}, or finish the run "
-                f"(+trainer.args.resume_from_checkpoint={checkpoints[-1]})"
-            )
-        return f"{key}={value}: no {files[0]} there, so it is not a saved model or tokenizer folder"
     return None
 
 

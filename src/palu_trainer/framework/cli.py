@@ -2,19 +2,16 @@
 first registers PALU, refuses command-line and config mistakes and points hub dataset loads at local
 mirrors (`TOFU_DIR`, `MUSE_DIR`)."""
 
+import contextlib
 import importlib
+import io
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
-from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
-from palu_trainer.framework.registry import register
-from palu_trainer.framework.stack import compute_loss_problem, stack_problem
-from palu_trainer.training.crashes import crash_problem, mark_crashed
-from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
-from palu_trainer.training.run_lock import take_output_folder
+from palu_trainer.framework.model_paths import command_line_model_problem, model_problems
 
 logger = logging.getLogger(__name__)
 
@@ -47,51 +44,80 @@ def refuse(prog: str, problem: str | None) -> None:
         sys.exit(f"{prog}: {problem}")
 
 
-def precheck(prog: str, script: str, config_name: str, config_dir: Path, argv):
-    """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder).
-    Returns the composed config (with its `hydra` node) when it is the one Hydra's run composes, else None."""
+def composed_run_config(config_name: str, config_dir: Path, argv) -> tuple | None:
+    """The config (with its `hydra` node) that Hydra composes from `argv`, and whether it is the one Hydra's
+    run composes (no --config-path or --config-dir); None for Hydra's other modes (help, --cfg, multirun)
+    and for a command line or config Hydra cannot compose (its own run reports those). Hydra alone: no
+    framework, torch or transformers import."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
 
-    from palu_trainer.framework.checks import CONFIG_WARNINGS, argv_problem, config_problems
-
-    refuse(prog, argv_problem(argv))
     try:
-        args = get_args_parser().parse_args(argv)
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = get_args_parser().parse_args(argv)
     except SystemExit:
-        return None  # Hydra reports it
+        return None
     if args.cfg or args.info or args.multirun or args.shell_completion or args.help or args.hydra_help:
         return None
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        # Hydra's and omegaconf's deprecation warnings, which Hydra's own composition prints once more
+        with (
+            warnings.catch_warnings(action="ignore"),
+            initialize_config_dir(config_dir=str(config_dir), version_base=None),
+        ):
             cfg = compose(args.config_name or config_name, overrides=args.overrides, return_hydra_config=True)
-        problems = config_problems(cfg, script)
-        warnings = config_problems(cfg, script, CONFIG_WARNINGS)
     except Exception:  # noqa: BLE001 (a config Hydra cannot compose: Hydra's own run reports it)
         return None
+    return cfg, not (args.config_path or args.config_dir)
+
+
+def precheck(prog: str, script: str, argv, composed: tuple | None):
+    """Refuse command-line and config mistakes before Hydra starts the job (and makes the output folder).
+    Returns the composed config when it is the one Hydra's run composes, else None."""
+    from palu_trainer.framework.checks import CONFIG_WARNINGS, argv_problem, config_problems
+
+    refuse(prog, argv_problem(argv))
+    if composed is None:
+        return None
+    cfg, composed_by_the_run = composed
+    problems = config_problems(cfg, script)
     if problems:
         sys.exit("\n".join(f"{prog}: {problem}" for problem in problems))
-    for warning in warnings:
+    for warning in config_problems(cfg, script, CONFIG_WARNINGS):
         print(f"{prog}: WARNING: {warning}", file=sys.stderr)
-    return None if args.config_path or args.config_dir else cfg
+    return cfg if composed_by_the_run else None
 
 
 def run_framework_script(script: str, config_name: str) -> None:
     """Run the framework's `script` (train | eval) on `sys.argv` with `config_name`, as its entry point."""
-    import hydra
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-
     prog = Path(sys.argv[0]).name
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(USAGE.format(prog=prog, script=script), end="")
         return
     sys.argv = [("--help" if arg == "--help-full" else arg) for arg in sys.argv]
     argv = sys.argv[1:]
+    # a mistyped path or an offline hub id, in a second or two: before torch's and the framework's imports
+    refuse(prog, command_line_model_problem(argv, script))
     src = ensure_importable()
+    composed = composed_run_config(config_name, src.parent / "configs", argv)
+    if composed is not None:
+        refuse(prog, model_problems(composed[0], script))
+
+    import hydra
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
+    from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
+    from palu_trainer.framework.registry import register
+    from palu_trainer.framework.stack import compute_loss_problem, stack_problem
+    from palu_trainer.training.crashes import crash_problem, mark_crashed
+    from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
+    from palu_trainer.training.run_lock import take_output_folder
+
     refuse(prog, stack_problem(src))
     register()
-    composed = precheck(prog, script, config_name, src.parent / "configs", argv)
+    composed = precheck(prog, script, argv, composed)
     if composed is not None:
         if script == "train":
             # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold

@@ -136,11 +136,12 @@ def upcasting_evaluation_logits(model, tokenizer):
 def finding_hub_models(get_model):
     """`get_model`, stopping in one line on a model or tokenizer hub id that is neither in the Hugging Face
     cache nor reachable (offline), before the hub client's retries (21 s and seven tracebacks)."""
-    from palu_trainer.framework.checks import BadInput, hub_model_problem, is_local_path
+    from palu_trainer.framework.checks import BadInput
+    from palu_trainer.framework.model_paths import MODEL_FILES, hub_model_problem, is_local_path
 
     @functools.wraps(get_model)
     def load(model_cfg, *args, **kwargs):
-        for part, file_name in (("model_args", "config.json"), ("tokenizer_args", "tokenizer_config.json")):
+        for part, file_name in MODEL_FILES.items():
             value = (model_cfg.get(part) or {}).get("pretrained_model_name_or_path")
             key = f"model.{part}.pretrained_model_name_or_path"
             if isinstance(value, str) and not is_local_path(value):
