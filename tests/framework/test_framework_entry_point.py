@@ -526,7 +526,9 @@ def test_the_fifth_sweeps_refusals_through_both_entry_points(
         ("saves/unlearn/typo", "no such folder (a hub id is owner/name)"),
     ):
         arguments = framework_command(tofu_mirror, model, out, [])
-        result = train_through(entry_point, arguments, HF_HUB_OFFLINE="1", PYTHONPROFILEIMPORTTIME="1")
+        # palu-train lists its imports (src/train.py imports the framework before any code of the plugin runs)
+        imports = {"PYTHONPROFILEIMPORTTIME": "1"} if entry_point == "palu-train" else {}
+        result = train_through(entry_point, arguments, HF_HUB_OFFLINE="1", **imports)
         lines = (result.stdout + result.stderr).splitlines()
         imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
         said_lines = [line for line in lines if line.startswith(prefix)]
