@@ -27,11 +27,12 @@ from palu_trainer.training.run_plan import (
 
 
 @pytest.fixture(autouse=True)
-def sigterm_handler_restored():
-    """RunGuard installs its SIGTERM handler in this (pytest's) process: put the default back."""
-    handler = signal.getsignal(signal.SIGTERM)
+def signal_handlers_restored():
+    """RunGuard installs its SIGTERM and SIGINT handlers in this (pytest's) process: put pytest's back."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     yield
-    signal.signal(signal.SIGTERM, handler)
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def guarded(trainer):
@@ -213,6 +214,37 @@ def test_a_second_ctrl_c_stops_at_once(make_trainer):
     assert guard.preempted_by == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
         guard._on_preemption(signal.SIGINT, None)
+
+
+def test_a_crash_in_training_is_told_in_one_line_and_a_later_sigterm_exits_as_python_sees(
+    make_trainer, monkeypatch, capsys
+):
+    """A rank whose peer died raises from a collective; its launcher SIGTERMs it at about that time. The
+    guard prints the one line and marks the folder while no signal can end the process; after that SIGTERM
+    is an exit Python sees (atexit unlocks the folder and frees the shared memory), no longer a checkpoint."""
+    from palu_trainer.training import run_guard
+
+    trainer = guarded(make_trainer(max_steps=2, top_k=64))
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+    def launcher_stops_this_rank_meanwhile(output_dir, error):
+        signal.raise_signal(signal.SIGTERM)
+        return mark_crashed(output_dir, error)
+
+    mark_crashed = run_guard.mark_crashed
+    monkeypatch.setattr(run_guard, "mark_crashed", launcher_stops_this_rank_meanwhile)
+    with pytest.raises(RunStopped) as stopped:
+        trainer.run_guard.train(peer_gone)
+    assert stopped.value.exit_code == 1 and trainer.run_guard.preempted_by is None
+    assert "another process of this run stopped ([gloo] Connection closed by peer" in str(stopped.value)
+    assert "another process of this run stopped" in capsys.readouterr().err
+    record = json.loads((Path(trainer.args.output_dir) / FAILED_RUN_FILE).read_text())
+    assert record["reason"] == "crashed"
+    with pytest.raises(SystemExit) as exited:
+        signal.raise_signal(signal.SIGTERM)
+    assert exited.value.code == 128 + signal.SIGTERM
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ PEER_GONE = (
     "DistNetworkError",
 )
 SHARED_MEMORY = Path("/dev/shm")
+FAILED_RUN_FILE = "palu_run_failed.json"
 
 
 def first_line(error: BaseException) -> str:
@@ -59,8 +60,6 @@ def crash_problem(error: BaseException) -> str | None:
 def mark_crashed(output_dir, error: BaseException) -> str | None:
     """Mark the folder of a training run that `error` ended failed (`FAILED_RUN_FILE`, from the main
     process), so that palu-eval refuses it; returns `crash_problem`'s line for the error."""
-    from palu_trainer.training.run_guard import FAILED_RUN_FILE
-
     problem = crash_problem(error)
     if os.environ.get("RANK", "0") == "0" and output_dir:
         folder = Path(output_dir).expanduser()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from palu_trainer.training.crashes import FAILED_RUN_FILE, mark_crashed
 from palu_trainer.training.resume import checkpoints_newest_first
 from palu_trainer.training.run_plan import (
     ALLOW_LOW_DISK,
@@ -33,7 +34,6 @@ from palu_trainer.training.run_plan import (
 
 logger = logging.getLogger(__name__)
 
-FAILED_RUN_FILE = "palu_run_failed.json"
 FINAL_WEIGHTS = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -142,10 +142,13 @@ class RunGuard(TrainerCallback):
         self.grad_norm = None  # this optimizer step's
         self.preempted_by: signal.Signals | None = None  # the first SIGTERM or SIGINT this process got
         self.stopping_for_preemption = False
+        self.crashed = False  # training raised: its report is out, and a signal now ends the process
         self.staging: Path | None = None  # where the checkpoint being saved is written
         trainer.add_callback(self)
 
     def _on_preemption(self, signum, frame):
+        if self.crashed:
+            raise SystemExit(128 + signum)  # an exit Python sees: the folder unlocked, shared memory freed
         if self.preempted_by == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.preempted_by = self.preempted_by or signal.Signals(signum)
@@ -350,7 +353,7 @@ class RunGuard(TrainerCallback):
 
     def train(self, train, *args, **kwargs):
         """The guarded trainer's `train`: the plan checked, SIGTERM and Ctrl-C turned into a checkpoint and
-        the command that resumes it."""
+        the command that resumes it, and a crash told in one line (`training.crashes`), its folder marked."""
         self.check_plan(bool(kwargs.get("resume_from_checkpoint", args[0] if args else None)))
         main_thread = threading.current_thread() is threading.main_thread()  # signals go to it alone
         handlers = {
@@ -360,9 +363,23 @@ class RunGuard(TrainerCallback):
         }
         try:
             result = train(*args, **kwargs)
+        except Exception as error:
+            # Once one rank dies its launcher sends the others SIGTERM: this rank first tells its own crash,
+            # and a signal after that ends it as an exit Python sees.
+            for signum in handlers:
+                signal.signal(signum, signal.SIG_IGN)
+            problem = mark_crashed(self.trainer.args.output_dir, error)
+            stopped = problem and RunStopped(problem, program=self.program)  # printed here
+            self.crashed = True
+            for signum in handlers:
+                signal.signal(signum, self._on_preemption)
+            if stopped:
+                raise stopped from error
+            raise
         finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            if not self.crashed:
+                for signum, handler in handlers.items():
+                    signal.signal(signum, handler)
         if self.stopping_for_preemption:
             step = self.trainer.state.global_step
             checkpoint = Path(self.trainer.args.output_dir) / f"checkpoint-{step}"
