@@ -173,8 +173,8 @@ def test_the_line_budgets_of_issue_60_hold():
         # raised for the fifth sweep's code (issue 80) and the framework's own scripts' (issue 81: evaluation
         # under several processes, the kept model, the mirrors under src/train.py and src/eval.py) until
         # per-function and per-module limits replace them (issue 82)
-        "wheel": (wheel, 7950),
-        "framework": (python_lines(PACKAGE_DIR / "framework"), 3000),
+        "wheel": (wheel, 8000),
+        "framework": (python_lines(PACKAGE_DIR / "framework"), 3050),
         "method": (python_lines(PACKAGE_DIR / "method"), 1300),
         "compute_loss": (compute_loss, 20),
     }

@@ -79,3 +79,39 @@ def test_no_module_but_patches_replaces_a_method_or_a_loader():
     elsewhere = [line for path in modules if path.name != "patches.py" for line in replaced_behaviour(path)]
     assert elsewhere == []
     assert len(replaced_behaviour(WHEEL / "framework" / "patches.py")) >= 8  # the scan finds its patches
+
+
+def test_the_run_gets_the_prechecks_composition_as_hydra_would_compose_it(monkeypatch):
+    """palu-train composes the config once before Hydra's run: the run gets that object instead of
+    composing again, and it is the config Hydra's own run composes (with the `hydra.mode=RUN` that the
+    run adds), down to its `hydra` node; any other composition still composes."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import compute_search_path_dir, create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from palu_trainer.framework import cli
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", ConfigLoaderImpl.load_configuration)
+    monkeypatch.setattr(Hydra, "get_mode", Hydra.get_mode)
+    configs = str(ensure_importable().parent / "configs")
+    argv = ["--config-name=unlearn.yaml", "experiment=unlearn/tofu/palu", "trainer.args.learning_rate=3e-5"]
+    composed, composed_by_the_run = cli.composed_run_config("train.yaml", Path(configs), argv)
+    assert composed_by_the_run
+    # the composition hydra.main makes for cli.main's job
+    search_path = create_config_search_path(compute_search_path_dir(cli.__file__, None, configs))
+    hydra = Hydra.create_main_hydra2(task_name="cli", config_search_path=search_path)
+    overrides = [*argv[1:], "hydra.mode=RUN"]
+    try:
+        own = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)
+        patches.composing_once(composed)
+        assert hydra.get_mode("unlearn.yaml", argv[1:]) is None  # the config leaves it unset
+        reused = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)
+        again = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)
+    finally:
+        GlobalHydra.instance().clear()
+    assert reused is composed and again is not composed
+    assert OmegaConf.to_yaml(reused) == OmegaConf.to_yaml(own) == OmegaConf.to_yaml(again)
+    assert reused.trainer.args.learning_rate == 3e-5 and reused.hydra.mode == RunMode.RUN

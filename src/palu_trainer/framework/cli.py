@@ -63,7 +63,10 @@ def composed_run_config(config_name: str, config_dir: Path, argv) -> tuple | Non
         # Hydra's and omegaconf's deprecation warnings, which Hydra's own composition prints once more
         with (
             warnings.catch_warnings(action="ignore"),
-            initialize_config_dir(config_dir=str(config_dir), version_base=None),
+            # job_name: the one hydra.main gives the job, after this file
+            initialize_config_dir(
+                config_dir=str(config_dir), version_base=None, job_name=Path(__file__).stem
+            ),
         ):
             cfg = compose(args.config_name or config_name, overrides=args.overrides, return_hydra_config=True)
     except Exception:  # noqa: BLE001 (a config Hydra cannot compose: Hydra's own run reports it)
@@ -122,7 +125,7 @@ def run_framework_script(script: str, config_name: str) -> None:
         if script == "train":
             # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
             refuse(prog, take_output_folder(composed.paths.output_dir))
-        composing_once(composed.hydra.mode)
+        composing_once(composed)
     from palu_trainer.framework import checks
 
     module = importlib.import_module(script)
