@@ -1,5 +1,5 @@
 """`palu-recipe kit DIR`: PALU's and TPO's folders in open-unlearning's contribution format, whose results are
-the README's measured table told on its own (package data); tests/test_wheel.py runs a kit made from the
+docs/results.md's measured table told on its own (package data); tests/test_wheel.py runs a kit made from the
 installed wheel."""
 
 import re
@@ -29,9 +29,9 @@ def test_the_kit_has_the_frameworks_sections_and_the_measured_table(framework_co
     ]
     results = measured_results()
     table = [line for line in results.splitlines() if line.startswith("|")]
-    readme_rows = set((PROJECT_ROOT / "README.md").read_text().splitlines())
-    assert len(table) == 11 and all(row in readme_rows for row in table)  # the README's measured table
-    # told on its own: no reference to the rest of this project's README, every row explained
+    results_rows = set((PROJECT_ROOT / "docs" / "results.md").read_text().splitlines())
+    assert len(table) == 11 and all(row in results_rows for row in table)  # docs/results.md's measured table
+    # told on its own: no reference to the rest of that page, every row explained
     assert not re.search(r"\b(below|above)\b|short-budget|plot|\]\(", results), results
     assert all(f"{name} is " in results for name in ("PALU_cgrad", "PALU_release"))
     for contribution in contributions():

@@ -10,7 +10,8 @@ from palu_trainer.spans.format import read_annotations, validate_annotations
 
 from ..conftest import read_jsonl
 
-HELD_OUT_WORD_F1 = 0.906  # README, "Raw text": measured once, after tuning on the tuning part only
+# docs/muse.md, "Raw text with spans": measured once, after tuning on the tuning part only
+HELD_OUT_WORD_F1 = 0.906
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """`palu-recipe kit DIR`: PALU's and TPO's contribution folders in open-unlearning's format
 (`community/methods/<NAME>/README.md` and `run.sh`, as its contributing guide asks) written into a framework
-checkout DIR. The README's results are the kit's `results.md` (package data, so the kit works from the wheel):
-the measured real-model table of this project's README, with its model, commits and dates, told without
-reference to the rest of that README; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`,
+checkout DIR. Its `results.md` (package data, so the kit works from the wheel) is the measured real-model
+table of this project's docs/results.md, with its model, commits and dates, told without reference to the
+rest of that page; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`,
 with the plugin installed."""
 
 import argparse

@@ -83,8 +83,8 @@ CONTRAST = re.compile(
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 # Evidence that a lowercase phrase states a fact to forget. The weights were set by measuring word-token F1
-# against GPT-4o spans on TOFU forget05 (README, "Span annotations"); F1 stays within 0.776-0.801 for
-# thresholds from 2.25 to 3.25.
+# against GPT-4o spans on TOFU forget05 (docs/span-annotations.md, "Agreement with GPT-4o"); F1 stays within
+# 0.776-0.801 for thresholds from 2.25 to 3.25.
 PHRASE_THRESHOLD = 2.75
 WEIGHT_PER_WORD = 0.8  # for up to three words
 WEIGHT_SPECIFICITY = 0.3  # per decade of rarity of the phrase's rarest word
@@ -114,7 +114,8 @@ class Style:
 
 
 QA = Style()
-# Set on the tuning part of benchmarks.synthetic_news only (README, "Raw text"); never on its held-out part.
+# Set on the tuning part of benchmarks.synthetic_news only (docs/muse.md, "Raw text with spans"); never on its
+# held-out part.
 RAW_TEXT = Style(
     first_sentence_focus=False,
     amounts=True,
