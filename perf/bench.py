@@ -147,7 +147,6 @@ def bench_top_k(device, vocab_size=128256, batch=2, length=48, repeats=3):
 
 
 LLAMA_3_2_1B = {"vocab_size": 128256, "hidden_size": 2048, "layers": 16, "intermediate_size": 8192}
-LLAMA_3_2_1B_HEADS = (32, 8)  # attention heads, key-value heads
 
 
 def matmul_parameters(vocab_size, hidden_size, layers, intermediate_size, heads, kv_heads):

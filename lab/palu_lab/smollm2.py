@@ -53,7 +53,6 @@ MARKER = "palu-conversion.json"
 FORMAT = 1
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 CHECK_QUESTION = "What is the capital of France?"
 CHECK_WORD = "Paris"
 VOCAB_SIZE = 49152
