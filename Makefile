@@ -79,7 +79,7 @@ DATA ?= $(if $(MINI_MODEL),tofu,synthetic)
 TOFU_ARGS = --data $(DATA) $(if $(FAST),--fast) $(if $(RUN),--run $(RUN)) $(if $(JOBS),--jobs $(JOBS)) \
 	$(if $(filter tofu,$(DATA)),--tofu-dir $(or $(TOFU_DIR),$(SHARED)/data/tofu))
 
-.PHONY: setup flash-attn smollm2 gpu-check test test-stack test-fast lint format tofu muse compare tofu-sweep tofu-ablation converged \
+.PHONY: setup flash-attn smollm2 gpu-check test test-stack test-fast lint format options-table tofu muse compare tofu-sweep tofu-ablation converged \
 	demo ablation convergence bench
 
 setup:
@@ -136,6 +136,10 @@ lint:
 format:
 	$(PY) -m ruff check --fix src lab tests scripts perf
 	$(PY) -m ruff format src lab tests scripts perf
+
+# docs/method.md's table of PALU's options, from PALUOptions (tests/method/test_options.py checks it)
+options-table:
+	$(PY) scripts/options_table.py
 
 bench:
 	$(PY) perf/bench.py $(if $(PRESET),--preset $(PRESET)) --out results/bench.json

@@ -19,11 +19,14 @@ LAB_DIR = Path(palu_lab.__file__).parent
 ALLOWED = {
     "validation": {"validation"},
     "method": {"method", "validation"},
+    "options": {"options", "method", "validation"},
     "spans": {"spans"},
     "benchmarks": {"benchmarks", "spans"},
     "training": {"training", "method", "validation"},
-    "framework": {"framework", "training", "method", "validation", "spans", "benchmarks"},
-    "experiments": {"experiments", "framework", "training", "method", "validation", "spans", "benchmarks"},
+    "framework": {"framework", "training", "options", "method", "validation", "spans", "benchmarks"},
+    "experiments": {
+        *("experiments", "framework", "training", "options", "method", "validation", "spans", "benchmarks")
+    },
 }
 ALLOWED["lab"] = set(ALLOWED) | {"lab"}
 FRAMEWORK_MODULES = ("trainer", "data", "evals", "train", "model")
@@ -170,10 +173,11 @@ def test_the_line_budgets_of_issue_60_hold():
     wheel = python_lines(PACKAGE_DIR) + python_lines(PACKAGE_DIR.parent / "hydra_plugins")
     compute_loss = len(inspect.getsource(PALUTrainer.compute_loss).splitlines())
     budgets = {
-        # raised for the fifth sweep's code (issue 80) and the framework's own scripts' (issue 81: evaluation
-        # under several processes, the kept model, the mirrors under src/train.py and src/eval.py) until
-        # per-function and per-module limits replace them (issue 82)
-        "wheel": (wheel, 8000),
+        # raised for the fifth sweep's code (issue 80), the framework's own scripts' (issue 81: evaluation
+        # under several processes, the kept model, the mirrors under src/train.py and src/eval.py) and the
+        # options' help, which moved from the YAMLs and docs/method.md into options.py, until per-function
+        # and per-module limits replace them (issue 82)
+        "wheel": (wheel, 8100),
         "framework": (python_lines(PACKAGE_DIR / "framework"), 3050),
         "method": (python_lines(PACKAGE_DIR / "method"), 1300),
         "compute_loss": (compute_loss, 20),

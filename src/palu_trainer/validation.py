@@ -23,16 +23,21 @@ def written(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def Number(meaning: str, optional: bool = False, **bounds) -> Any:
+def described(meaning: str, help: str | None, **bounds) -> Any:
+    """A field's `meaning` (the few words its messages end with) and `help` (its row of the docs' table)."""
+    return Field(description=meaning, json_schema_extra={"help": help} if help else None, **bounds)
+
+
+def Number(meaning: str, optional: bool = False, help: str | None = None, **bounds) -> Any:
     """A number (int or float, not bool) within `bounds` (pydantic's ge, gt, le, lt); `optional`: or null."""
-    return Annotated[float | None if optional else float, Field(description=meaning, **bounds)]
+    return Annotated[float | None if optional else float, described(meaning, help, **bounds)]
 
 
-def Integer(meaning: str, optional: bool = False, **bounds) -> Any:
-    return Annotated[int | None if optional else int, Field(description=meaning, **bounds)]
+def Integer(meaning: str, optional: bool = False, help: str | None = None, **bounds) -> Any:
+    return Annotated[int | None if optional else int, described(meaning, help, **bounds)]
 
 
-def Choice(meaning: str, *choices) -> Any:
+def Choice(meaning: str, *choices, help: str | None = None) -> Any:
     """One of `choices`, each compared with its type: 1 is not true, and "true" is not true either."""
 
     names = [written(choice) for choice in choices]
@@ -44,10 +49,10 @@ def Choice(meaning: str, *choices) -> Any:
             )
         return value
 
-    return Annotated[Any, AfterValidator(check), Field(description=meaning)]
+    return Annotated[Any, AfterValidator(check), described(meaning, help)]
 
 
-def Checked(meaning: str, check) -> Any:
+def Checked(meaning: str, check, help: str | None = None) -> Any:
     """A value that `check(value)` accepts; it raises ValueError whose text follows `name=value: `."""
 
     def validate(value, info: ValidationInfo):
@@ -56,7 +61,7 @@ def Checked(meaning: str, check) -> Any:
         except ValueError as error:
             raise ValueError(f"{info.field_name}={value!r}: {error}") from None
 
-    return Annotated[Any, AfterValidator(validate), Field(description=meaning)]
+    return Annotated[Any, AfterValidator(validate), described(meaning, help)]
 
 
 BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -75,6 +80,18 @@ class Options(BaseModel):
     @classmethod
     def defaults(cls) -> dict:
         return {name: info.default for name, info in cls.model_fields.items() if not info.is_required()}
+
+    @classmethod
+    def help_table(cls) -> str:
+        """The options as a Markdown table: each key, its default (words and booleans as code), its help (else
+        its meaning)."""
+        rows = ["| key (`trainer.method_args.`) | default | meaning |", "| --- | --- | --- |"]
+        for name, info in cls.model_fields.items():
+            number = isinstance(info.default, int | float) and not isinstance(info.default, bool)
+            default = str(info.default) if number else f"`{written(info.default)}`"
+            text = ((info.json_schema_extra or {}).get("help") or info.description).replace("|", r"\|")
+            rows.append(f"| `{name}` | {default} | {text} |")
+        return "\n".join(rows) + "\n"
 
     @classmethod
     def parse(cls, values: Mapping, prefix: str = "") -> Self:

@@ -9,7 +9,6 @@ from palu_trainer.method.chunking import ProjectionCalls, mean_over_chunks
 from palu_trainer.method.kl import common_kl_loss, common_kl_to_reference_loss
 from palu_trainer.method.local_loss import TARGETS, local_entropy_loss, resolve_top_k
 from palu_trainer.method.objective import PALUObjective, term_gradient_norms
-from palu_trainer.method.options import PALUOptions
 from palu_trainer.method.reference import (
     DenseReference,
     ModelReference,
@@ -19,6 +18,7 @@ from palu_trainer.method.reference import (
     reference_targets,
 )
 from palu_trainer.method.roles import TokenRole, at_forget_positions, predicting_rows
+from palu_trainer.options import PALUOptions
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
 

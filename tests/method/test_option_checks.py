@@ -3,7 +3,7 @@
 import pytest
 
 from palu_trainer.method.initiating import InitiatingOptions, InitiatingPolicy
-from palu_trainer.method.options import PALUOptions, TPOOptions
+from palu_trainer.options import PALUOptions, TPOOptions
 
 
 @pytest.mark.parametrize(

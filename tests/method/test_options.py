@@ -1,5 +1,7 @@
-"""PALUOptions is the one list of PALU's options: the YAML, the docs' table and the usage text follow it."""
+"""PALUOptions is the one list of PALU's options: the YAML's values, the docs' table and the usage text
+follow it."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -7,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from palu_trainer.framework.cli import USAGE
-from palu_trainer.method.options import PALUOptions
+from palu_trainer.options import PALUOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,15 +26,23 @@ def test_palu_yaml_sets_every_option_to_its_default():
     assert OmegaConf.to_container(method_args) == PALUOptions.defaults()
 
 
-def test_docs_table_has_one_row_per_option_with_its_default():
-    text = (ROOT / "docs/method.md").read_text()
-    table = text.split("| key (`trainer.method_args.`) | default | meaning |")[1].split("\n\n")[0]
-    documented = {}
-    for row in table.strip().splitlines()[1:]:
-        names, defaults = (cell.strip() for cell in row.strip("|").split(" | ")[:2])
-        for name, default in zip(re.findall(r"`(\w+)`", names), defaults.split(", "), strict=True):
-            documented[name] = default
+def test_the_docs_table_is_the_one_make_options_table_writes_with_a_row_per_option_at_its_default():
+    spec = importlib.util.spec_from_file_location("options_table", ROOT / "scripts" / "options_table.py")
+    options_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(options_table)
+    page = (ROOT / "docs" / "method.md").read_text(encoding="utf-8")
+    assert options_table.with_table(page) == page, "docs/method.md's table is stale: make options-table"
+    rows = PALUOptions.help_table().splitlines()[2:]
+    documented = dict(re.match(r"\| `(\w+)` \| (.+?) \| ", row).groups() for row in rows)
     assert documented == {name: written(value) for name, value in PALUOptions.defaults().items()}
+    help_of_top_k = PALUOptions.model_fields["top_k"].json_schema_extra["help"]
+    assert help_of_top_k.replace("|", r"\|") in page  # the help, not the short meaning, is the row
+
+
+def test_the_plugins_trainer_yamls_hold_values_only():
+    """Their help is the options' (above); a comment would be a second one."""
+    for path in sorted((ROOT / "configs" / "trainer").glob("*.yaml")):
+        assert "#" not in path.read_text(), f"{path.name} holds a comment"
 
 
 def test_usage_names_only_options_at_their_defaults():

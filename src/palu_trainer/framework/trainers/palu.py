@@ -12,7 +12,6 @@ from palu_trainer.framework.trainers.guarded import GuardedGradDiff
 from palu_trainer.method.chunking import ProjectionCalls, chunk_count, logit_chunk_rows
 from palu_trainer.method.local_loss import resolve_top_k
 from palu_trainer.method.objective import PALUTerms, term_gradient_norms
-from palu_trainer.method.options import PALUOptions
 from palu_trainer.method.reference import Reference
 from palu_trainer.method.reference_cache import (
     CACHE_DTYPES,
@@ -23,6 +22,7 @@ from palu_trainer.method.reference_cache import (
     estimated_nbytes,
 )
 from palu_trainer.method.roles import count_roles, forget_rows, label_positions
+from palu_trainer.options import PALUOptions
 from palu_trainer.training.projection import logit_projection
 from palu_trainer.training.run_guard import RunStopped
 from palu_trainer.training.vocabulary import reachable_vocab_size

@@ -4,8 +4,8 @@ import torch
 
 from palu_trainer.framework.datasets import require_token_roles
 from palu_trainer.framework.trainers.guarded import GuardedGradDiff
-from palu_trainer.method.options import TPOOptions
 from palu_trainer.method.tpo_losses import tpo_preference_loss, tpo_preservation_loss
+from palu_trainer.options import TPOOptions
 
 
 class TPOTrainer(GuardedGradDiff):
