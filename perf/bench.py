@@ -38,9 +38,9 @@ from palu_lab.trainer_config import tokenizer_keyword, trainer_config
 from palu_trainer.experiments.methods import METHODS
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.registry import register
-from palu_trainer.method.objective import PALUObjective
 from palu_trainer.method.reference import DenseReference, InitiatingTargets
 from palu_trainer.method.roles import TokenRole
+from palu_trainer.options import PALUOptions
 
 ensure_importable()
 from data.collators import DataCollatorForSupervisedDataset  # noqa: E402
@@ -127,7 +127,7 @@ def bench_top_k(device, vocab_size=128256, batch=2, length=48, repeats=3):
         for _ in range(repeats + 1):
             logits.grad = None
             start = time.perf_counter()
-            local, kl = PALUObjective(top_k).forget_terms(logits, None, roles, reference)
+            local, kl = PALUOptions().objective(top_k).forget_terms(logits, None, roles, reference)
             local.backward(retain_graph=True)
             local_done = time.perf_counter()
             kl.backward()

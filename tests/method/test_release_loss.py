@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from palu_trainer.method.objective import PALUObjective
 from palu_trainer.method.reference import reference_targets
 from palu_trainer.method.roles import TokenRole
+from palu_trainer.options import PALUOptions
 
 IGN, COM, INI, RED = (int(role) for role in TokenRole)
 
@@ -55,9 +55,9 @@ def test_release_form_matches_the_naive_loop_in_value_and_gradient(seed):
     retain = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
 
     targets = reference_targets(reference, roles, top_k, kl_direction="policy_to_ref")
-    released = PALUObjective(
-        top_k, target_gradient=True, kl_direction="policy_to_ref", kl_weight="alpha", gamma=gamma, alpha=alpha
-    )
+    released = PALUOptions(
+        target_gradient=True, kl_direction="policy_to_ref", kl_weight="alpha", gamma=gamma, alpha=alpha
+    ).objective(top_k)
     ours = released.weigh(*released.forget_terms(current, None, roles, targets), retain).loss
     naive = naive_released_loss(current, reference, roles.tolist(), retain, top_k, gamma, alpha)
 
@@ -75,7 +75,7 @@ def test_paper_form_differs_from_the_release():
     roles = torch.tensor([[IGN, INI, COM, COM, INI, COM]])
     retain = torch.tensor(1.0, dtype=torch.float64)
     naive = naive_released_loss(current, reference, roles.tolist(), retain, 4, 1.0, 2.0)
-    paper_objective = PALUObjective(4, gamma=1.0, alpha=2.0, kl_weight=1.0)
+    paper_objective = PALUOptions(gamma=1.0, alpha=2.0, kl_weight=1.0).objective(4)
     forget = paper_objective.forget_terms(current, None, roles, reference_targets(reference, roles, 4))
     paper = paper_objective.weigh(*forget, retain).loss
     assert abs(paper.item() - naive.item()) > 1e-3

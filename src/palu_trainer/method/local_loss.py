@@ -55,9 +55,10 @@ def resolve_top_k(top_k, vocab_size: int) -> int:
 def local_entropy_loss(
     logits: torch.Tensor,
     topk_indices: torch.Tensor,
-    target: str = "global_mean",
+    target: str,
     reference_logit_mean: torch.Tensor | None = None,
-    target_gradient: bool = False,
+    *,
+    target_gradient: bool,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over initiating positions of (1/K)·Σ_{i∈top-K}(z_i − c)² (divided by `scale` per position);
@@ -78,7 +79,6 @@ def local_entropy_loss(
         scale: None (the paper) or (M,) positive divisors of each position's loss (the reference's
             `topk_spread`: a scale-free form, 1 at the first step for `global_mean`).
     """
-    assert target in TARGETS, target  # PALUOptions checked it
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=torch.float32)
     logits = at_least_fp32(logits)

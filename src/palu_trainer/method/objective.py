@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from palu_trainer.method.chunking import AS_NEEDED, ProjectionCalls, mean_over_chunks
-from palu_trainer.method.local_loss import LOCAL_LOSS_SCALES, local_entropy_loss
+from palu_trainer.method.local_loss import local_entropy_loss
 from palu_trainer.method.reference import ModelReference, Reference, reference_targets
 from palu_trainer.method.roles import at_forget_positions, flat_rows, label_positions
 
@@ -45,21 +45,19 @@ class PALUObjective:
     gamma·local + alpha·KL + alpha·retain.
 
     top_k: K, resolved (`local_loss.resolve_top_k`). chunk_rows: positions projected at once
-    (`chunking.logit_chunk_rows`); None: all at once. The other fields: `PALUOptions`' of the same name.
+    (`chunking.logit_chunk_rows`); None: all at once. The other fields: `PALUOptions`' of the same name, whose
+    defaults and checks they are (`PALUOptions.objective` builds this object).
     """
 
     top_k: int
-    target: str = "global_mean"
-    target_gradient: bool = False
-    kl_direction: str = "ref_to_policy"
-    kl_weight: float | str = 1.0
-    local_loss_scale: str = "none"
-    gamma: float = 1.0
-    alpha: float = 1.0
+    target: str
+    target_gradient: bool
+    kl_direction: str
+    kl_weight: float | str
+    local_loss_scale: str
+    gamma: float
+    alpha: float
     chunk_rows: int | None = None
-
-    def __post_init__(self):
-        assert self.local_loss_scale in LOCAL_LOSS_SCALES, self.local_loss_scale  # PALUOptions checked it
 
     def reference(self, states, roles, project=None, top_m=None) -> Reference:
         """The reference's targets for a batch, computed now (`reference.reference_targets`)."""
@@ -90,7 +88,12 @@ class PALUObjective:
             targets = reference.initiating(rows)
             scale = targets.topk_spread if self.local_loss_scale == "reference" else None
             return local_entropy_loss(
-                logits, targets.topk_indices, self.target, targets.logit_mean, self.target_gradient, scale
+                logits,
+                targets.topk_indices,
+                self.target,
+                targets.logit_mean,
+                target_gradient=self.target_gradient,
+                scale=scale,
             )
 
         initiating, common = at_forget_positions(states, roles)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from palu_trainer.method.chunking import at_least_fp32, logits_of
-from palu_trainer.method.kl import KL_DIRECTIONS, common_kl_loss, common_kl_to_reference_loss, top_m_kl
+from palu_trainer.method.kl import common_kl_loss, common_kl_to_reference_loss, top_m_kl
 from palu_trainer.method.roles import at_forget_positions
 
 
@@ -167,7 +167,6 @@ def reference_targets(
             none, as ZeRO-3's collectives need): with top_m set, never more than `chunk_rows` × V logits
             are held.
     """
-    assert kl_direction in KL_DIRECTIONS, kl_direction  # PALUOptions checked it
 
     def in_chunks(rows_states, fields):
         chunks = rows_states.split(chunk_rows or max(len(rows_states), 1))
