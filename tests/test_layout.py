@@ -175,9 +175,9 @@ def test_the_line_budgets_of_issue_60_hold():
     budgets = {
         # raised for the fifth sweep's code (issue 80), the framework's own scripts' (issue 81: evaluation
         # under several processes, the kept model, the mirrors under src/train.py and src/eval.py) and the
-        # options' help, which moved from the YAMLs and docs/method.md into options.py, until per-function
-        # and per-module limits replace them (issue 82)
-        "wheel": (wheel, 8100),
+        # options' help, which moved from the YAMLs and docs/method.md into options.py, and the modules split
+        # to one job each, until per-function and per-module limits replace them (issue 82)
+        "wheel": (wheel, 8150),
         "framework": (python_lines(PACKAGE_DIR / "framework"), 3050),
         "method": (python_lines(PACKAGE_DIR / "method"), 1300),
         "compute_loss": (compute_loss, 20),

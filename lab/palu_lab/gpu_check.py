@@ -44,7 +44,7 @@ from palu_lab.method_lists import GPU_CHECK_BASELINES
 from palu_lab.tiny import save_tiny_model
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments.benchmark_facts import TOFU
-from palu_trainer.experiments.recipe import flash_attention_problem
+from palu_trainer.experiments.requirements import flash_attention_problem
 from palu_trainer.framework import launch
 from palu_trainer.framework.checkout import PROJECT_ROOT, RESOURCES_DIR
 from palu_trainer.training.run_stats import MEMORY_CAP_VARIABLE, RUN_STATS_VARIABLE

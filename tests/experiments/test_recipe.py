@@ -12,19 +12,17 @@ import huggingface_hub
 import pytest
 from huggingface_hub.errors import GatedRepoError
 
-from palu_trainer.experiments import recipe
+from palu_trainer.experiments import recipe, requirements
 from palu_trainer.experiments.methods import side_by_side_methods
 from palu_trainer.experiments.recipe import (
     MuseRecipeSettings,
     RecipeSettings,
-    choose_attention,
-    hub_problem,
     method_runs,
-    missing_requirements,
     plan,
     write_comparison,
 )
 from palu_trainer.experiments.recipe import main as recipe_main
+from palu_trainer.experiments.requirements import choose_attention, hub_problem, missing_requirements
 from palu_trainer.framework.checkout import checkout_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,7 +273,7 @@ def test_make_compare_names_the_original_logs_and_takes_original_logs(tmp_path):
     ],
 )
 def test_attention_follows_the_config_unless_flash_attn_cannot_run(monkeypatch, flash, requested, expected):
-    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: flash)
+    monkeypatch.setattr(requirements, "flash_attention_problem", lambda: flash)
     attention, warnings, problems = choose_attention("Llama-2-7b-chat-hf", requested)
     assert attention == expected and problems == []
     if expected == "sdpa" and requested == "auto":
@@ -290,7 +288,9 @@ def test_attention_follows_the_config_unless_flash_attn_cannot_run(monkeypatch, 
 
 
 def test_flash_attention_asked_for_but_absent_stops_the_recipe(monkeypatch, capsys):
-    monkeypatch.setattr(recipe, "flash_attention_problem", lambda: "the flash-attn package is not installed")
+    monkeypatch.setattr(
+        requirements, "flash_attention_problem", lambda: "the flash-attn package is not installed"
+    )
     # no hub request: huggingface-hub 0.36 (the 4.51 stack) retries an unreachable hub for ~45 s
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stop:
@@ -309,14 +309,14 @@ def test_flash_attention_needs_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine")
-    assert recipe.flash_attention_problem() == "no CUDA device"
+    assert requirements.flash_attention_problem() == "no CUDA device"
 
 
 @pytest.fixture
 def no_cache(monkeypatch):
     """Nothing in the Hugging Face cache, datasets found; the hub's answer for models is set per test."""
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
-    monkeypatch.setattr(recipe, "_dataset_on_hub_or_cached", lambda repo_id: True)
+    monkeypatch.setattr(recipe, "dataset_on_hub_or_cached", lambda repo_id: True)
 
 
 def gated(message: str) -> GatedRepoError:

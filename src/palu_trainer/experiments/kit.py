@@ -5,7 +5,7 @@ table of this project's docs/results.md, with its model, commits and dates, told
 rest of that page; `run.sh` calls the framework's own `src/train.py` and `src/eval.py`,
 with the plugin installed."""
 
-import argparse
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,15 +53,12 @@ def write_kit(checkout: Path) -> list[Path]:
     return written
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="palu-recipe kit", description="write community/methods/PALU and TPO into a framework checkout"
-    )
-    parser.add_argument("checkout", type=Path, help="an open-unlearning checkout")
-    args = parser.parse_args(argv)
+def write_kit_into(checkout: Path) -> None:
+    """`palu-recipe kit DIR`: the kit written into `checkout`, each file's path printed; exit 1 naming a
+    folder that is not a framework checkout."""
     try:
-        written = write_kit(args.checkout)
+        written = write_kit(checkout)
     except FileNotFoundError as error:
-        parser.exit(1, f"palu-recipe kit: {error}\n")
+        sys.exit(f"palu-recipe kit: {error}")
     for path in written:
         print(path)

@@ -5,9 +5,6 @@
 same on MUSE. The hyperparameters (the paper's appendix): docs/reproducing.md; MUSE's: docs/muse.md.
 """
 
-import argparse
-import importlib.util
-import os
 import re
 import shlex
 import subprocess
@@ -19,67 +16,20 @@ from pathlib import Path
 from palu_trainer.benchmarks.hf_dir import read_configs
 from palu_trainer.experiments import report
 from palu_trainer.experiments.ablation_axes import ABLATED_METHOD, AXES
-from palu_trainer.experiments.benchmark_facts import BENCHMARKS, MUSE, MUSE_LOADS, TOFU
+from palu_trainer.experiments.benchmark_facts import MUSE, MUSE_LOADS, TOFU
 from palu_trainer.experiments.methods import METHODS, side_by_side_methods, tuning_grid
+from palu_trainer.experiments.recipe_arguments import arguments
+from palu_trainer.experiments.requirements import (
+    choose_attention,
+    dataset_on_hub_or_cached,
+    missing_requirements,
+)
 from palu_trainer.framework import launch
-from palu_trainer.framework.checkout import CONFIG_DIR, checkout_dir
+from palu_trainer.framework.checkout import checkout_dir
 
 GLOBAL_BATCH = 32
 PAPER_LEARNING_RATES = (1e-5, 2e-5, 5e-5)
 PER_DEVICE_BATCH = 4
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # any of them in MODEL_DIR
-FLASH_ATTN_INSTALL = (
-    "`make flash-attn` (MAX_JOBS=4 pip install flash-attn --no-build-isolation; needs the CUDA toolkit)"
-)
-
-
-def model_config(name: str) -> dict:
-    """The model config `model=<name>` composes: the framework's configs/model/<name>.yaml, or this
-    plugin's; empty if neither has it."""
-    import yaml
-
-    for directory in (checkout_dir() / "configs" / "model", CONFIG_DIR / "model"):
-        path = directory / f"{name}.yaml"
-        if path.is_file():
-            return yaml.safe_load(path.read_text()) or {}
-    return {}
-
-
-def flash_attention_problem() -> str | None:
-    """Why `attn_implementation=flash_attention_2` cannot run here, or None when it can."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if importlib.util.find_spec("flash_attn") is None:
-        return "the flash-attn package is not installed"
-    try:
-        importlib.import_module("flash_attn")
-    except Exception as error:  # a wheel built for another torch or CUDA fails here, not at find_spec
-        return f"flash-attn does not import ({type(error).__name__}: {error})"
-    return None
-
-
-def choose_attention(model: str, requested: str = "auto") -> tuple[str | None, list[str], list[str]]:
-    """(the attention override for every run or None for the config's own, warnings, problems).
-
-    `auto`: the model config's attention, except flash_attention_2 without a working flash-attn, which
-    becomes sdpa with a warning (the framework's Llama and Qwen configs all ask for flash_attention_2).
-    An explicit `flash_attention_2` that cannot run is a problem; any other explicit value is used as is.
-    """
-    configured = model_config(model).get("model_args", {}).get("attn_implementation")
-    wanted = configured if requested == "auto" else requested
-    if wanted != "flash_attention_2" or (problem := flash_attention_problem()) is None:
-        return (None if wanted == configured else wanted), [], []
-    if requested == "flash_attention_2":
-        asked = f"attn_implementation={wanted} asked for, but {problem}"
-        return wanted, [], [f"{asked}: run {FLASH_ATTN_INSTALL}, or ATTN=sdpa"]
-    warning = (
-        f"model config {model} asks for flash_attention_2, but {problem}: every run uses "
-        "model.model_args.attn_implementation=sdpa instead (the same model, numerically close, slower and "
-        f"more memory on long sequences). For FlashAttention-2: {FLASH_ATTN_INSTALL} on the GPU machine"
-    )
-    return "sdpa", [warning], []
 
 
 @dataclass(frozen=True)
@@ -172,7 +122,7 @@ class RecipeSettings:
         if variable and environ.get(variable):
             absent = self.absent_from_mirror(read_configs(Path(environ[variable])))
             return [f"{variable}={environ[variable]} lacks {absent}"] if absent else []
-        if not _dataset_on_hub_or_cached(hub_id):
+        if not dataset_on_hub_or_cached(hub_id):
             mirror = f"; set {variable}" if variable else ""
             return [f"dataset {hub_id}: not cached and the hub is unreachable{mirror}"]
         return []
@@ -271,105 +221,6 @@ def eval_command(settings: RecipeSettings, method: str) -> list[str]:
     ]
 
 
-def missing_requirements(
-    settings: RecipeSettings, environ=os.environ, needs_original_logs=False, needs_idk_answers=False
-) -> list[str]:
-    """What this machine lacks for the real recipe, each with what to do; empty when ready."""
-    import torch
-
-    eval_logs = f"run `python setup_data.py --eval_logs` in {checkout_dir()} (its saves/eval is read from "
-    eval_logs += "there or here)"
-    problems = []
-    if needs_idk_answers and not Path(settings.idk_answers_path).is_file():
-        problems.append(
-            f"{settings.idk_answers_path} not found (DPO's \"I don't know\" answers): run "
-            f"`python setup_data.py --idk` in {checkout_dir()}, or set IDK_ANSWERS to a file with one answer "
-            "per line"
-        )
-    if needs_original_logs and not Path(settings.original_logs_path).is_file():
-        problems.append(
-            f"Original model logs {settings.original_logs_path} not found (the comparison table's Original "
-            f"row): {eval_logs}, or evaluate the target as the framework's scripts/tofu_finetune.sh does, or "
-            "set ORIGINAL_LOGS"
-        )
-    if torch.cuda.device_count() < settings.gpus:
-        problems.append(
-            f"{settings.gpus} CUDA GPU(s) needed, {torch.cuda.device_count()} visible: the recipe "
-            f"fine-tunes a {settings.model} model"
-        )
-    if settings.model_dir:
-        if not (Path(settings.model_dir) / "config.json").is_file():
-            problems.append(
-                f"MODEL_DIR={settings.model_dir} has no config.json (save_pretrained weights expected)"
-            )
-        if not any((Path(settings.model_dir) / name).is_file() for name in TOKENIZER_FILES):
-            problems.append(
-                f"MODEL_DIR={settings.model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the "
-                "recipe loads the tokenizer from it too; save it there with tokenizer.save_pretrained"
-            )
-    elif not (config := model_config(settings.model)):
-        problems.append(
-            f"no model config {settings.model}.yaml in {checkout_dir() / 'configs' / 'model'} or "
-            f"{CONFIG_DIR / 'model'}: MODEL= names one of the framework's model configs"
-        )
-    else:  # the config's tokenizer: a gated meta-llama/* id for the framework's Llama configs
-        tokenizer_id = config.get("tokenizer_args", {}).get("pretrained_model_name_or_path")
-        model = hub_problem(settings.model_path, "model", "config.json", environ)
-        tokenizer = hub_problem(tokenizer_id, "tokenizer", "tokenizer_config.json", environ)
-        problems += [problem for problem in (model, tokenizer) if problem]
-    problems.extend(settings.dataset_problems(environ))
-    if not Path(settings.retain_logs_path).is_file():
-        problems.append(
-            f"retain model logs {settings.retain_logs_path} not found (forget quality / privleak need them): "
-            f"{eval_logs}, or set RETAIN_LOGS"
-        )
-    return problems
-
-
-def hub_problem(repo_id: str | None, what: str, filename: str, environ=os.environ) -> str | None:
-    """None when `filename` of `repo_id` (a model or tokenizer) is in the Hugging Face cache or the hub serves
-    it to this machine's token (a HEAD request: no weights move), else what is wrong and what to do. Gated
-    repositories (meta-llama/*, the framework's Llama tokenizers) need a login that accepted the licence."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    if not repo_id or Path(repo_id).is_dir():
-        return None if repo_id else f"{what}: no pretrained_model_name_or_path in the model config"
-    if isinstance(try_to_load_from_cache(repo_id, filename), str):
-        return None
-    login = (
-        "run `huggingface-cli login` with a token of an account that has access (if gated, accept its "
-        f"licence at https://huggingface.co/{repo_id})"
-    )
-    local, name = "or set MODEL_DIR to local weights saved with their tokenizer", f"{what} {repo_id}"
-    if environ.get("HF_HUB_OFFLINE") == "1":
-        return f"{name}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; online, {login}; {local}"
-    try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename), timeout=10)
-    except GatedRepoError:
-        return f"{name} is gated and this machine's token has no access: {login}; {local}"
-    except RepositoryNotFoundError:
-        return f"{name}: not on the hub for this machine's token (private or gated?): {login}; {local}"
-    except Exception as error:  # offline, DNS failure, timeout
-        unreachable = f"the hub is unreachable ({type(error).__name__})"
-        return f"{name}: not in the Hugging Face cache and {unreachable}; online, {login}; {local}"
-    return None
-
-
-def _dataset_on_hub_or_cached(repo_id: str) -> bool:
-    from huggingface_hub import HfApi, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "README.md", repo_type="dataset"), str):
-        return True
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        HfApi().repo_info(repo_id, repo_type="dataset", timeout=5)
-        return True
-    except Exception:  # offline, DNS failure, gated: all mean "cannot fetch it now"
-        return False
-
-
 def method_runs(settings: RecipeSettings, methods: list[str], tune: bool) -> list[tuple[str, RecipeSettings]]:
     """(method, settings) of every run. `tune`: the equal budget, the paper's learning rates x the method's
     knob (methods.Knob; PALU's is λ); a method without a knob gets as many learning rates."""
@@ -432,70 +283,53 @@ def write_comparison(
     )
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["kit"]:  # palu-recipe kit DIR: the framework-format contribution folders
-        from palu_trainer.experiments.kit import main as kit
+def planned_runs(args, settings) -> tuple[list, str]:
+    """The (method, settings) runs that `args` ask for, and what they are in words."""
+    if args.ablation:
+        runs = [
+            (ABLATED_METHOD, replace(settings, variant=((args.ablation, label),), extra=overrides))
+            for label, overrides in AXES[args.ablation].points.items()
+        ]
+        return runs, f"PALU ablation, {AXES[args.ablation].title}"
+    what = ", ".join(args.methods) + (" (lr x knob grid)" if args.tune else "")
+    return method_runs(settings, args.methods, args.tune), what
 
-        return kit(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="palu-recipe",
-        description=__doc__.splitlines()[0],
-        epilog="palu-recipe kit DIR: write PALU's and TPO's folders in the framework's contribution format "
-        "(community/methods/<NAME>/README.md and run.sh) into the open-unlearning checkout DIR",
+
+def refuse_what_is_missing(settings, args, attention_problems) -> None:
+    """Exit 2 listing every requirement the runs lack (GPUs, model access, data, logs), before any runs."""
+    problems = attention_problems + missing_requirements(
+        settings,
+        needs_original_logs=args.report is not None,
+        needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
     )
-    parser.add_argument("--bench", choices=list(BENCHMARKS), default="tofu")
-    parser.add_argument("--forget", choices=sorted(TOFU.splits), default="05", help="TOFU's forget split")
-    parser.add_argument("--split", choices=list(MUSE.splits), default="News", help="MUSE's corpus")
-    parser.add_argument(
-        "--model", help="a framework model config name (default: Llama-2-7b-chat-hf; MUSE: Llama-2-7b-hf)"
-    )
-    parser.add_argument("--gpus", type=int, default=None, help="default: every visible CUDA GPU, at least 1")
-    parser.add_argument(
-        "--methods",
-        nargs="+",
-        default=["PALU"],
-        choices=[*METHODS, "side-by-side"],
-        help="methods to run; side-by-side: every method of the table (palu_trainer.experiments.methods)",
-    )
-    parser.add_argument("--lr", default="1e-5")
-    parser.add_argument("--kl-weight", default="1.0", help="PALU's λ")
-    parser.add_argument("--model-dir", default=os.environ.get("MODEL_DIR") or None)
-    parser.add_argument("--retain-logs", default=os.environ.get("RETAIN_LOGS") or None)
-    parser.add_argument(
-        "--original-logs",
-        default=os.environ.get("ORIGINAL_LOGS") or None,
-        help="the Original (target) model's evaluation for --report (default: where the framework has it)",
-    )
-    parser.add_argument(
-        "--attn",
-        default=os.environ.get("ATTN") or "auto",
-        choices=("auto", "flash_attention_2", "sdpa", "eager"),
-        help="attention of every run; auto: the model config's, sdpa (with a warning) where it asks for "
-        "flash_attention_2 and flash-attn cannot run",
-    )
-    parser.add_argument(
-        "--idk-answers", default=os.environ.get("IDK_ANSWERS") or None, help="DPO's idk.jsonl"
-    )
-    parser.add_argument("--report", type=Path, help="write a comparison table, JSON and plot here")
-    parser.add_argument(
-        "--tune",
-        action="store_true",
-        help="equal budget: every method at the paper's learning rates x its own knob (methods.Knob)",
-    )
-    parser.add_argument(
-        "--ablation", choices=list(AXES), help="PALU at every point of one of the paper's ablation axes"
-    )
-    parser.add_argument(
-        "--lora", action="store_true", help="LoRA adapters on every run's model (+peft=lora, docs/lora.md)"
-    )
-    parser.add_argument(
-        "--best-model",
-        choices=("fq_at_mu_floor", "fq_mu_mean"),
-        help="evaluate every run after each epoch and keep the epoch this rule picks (configs/best_model/)",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+    if problems:
+        listed = "".join(f"\n  - {problem}" for problem in problems)
+        offline = "On a CPU-only or offline machine, `make demo` runs the offline miniature instead."
+        print(f"\ncannot run the real recipe here:{listed}\n{offline}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_steps(steps) -> dict[str, float]:
+    """Run each (title, command) in turn; the wall time of each method's unlearning run."""
+    wall_times = {}
+    for title, command in steps:
+        started = time.monotonic()
+        print(f"\n== {title}", flush=True)
+        subprocess.run(command, check=True)
+        seconds = time.monotonic() - started
+        print(f"== {title}: {seconds:.0f} s", flush=True)
+        if title.endswith("unlearn"):
+            wall_times[title.split(":")[0]] = seconds
+    return wall_times
+
+
+def main(argv=None) -> None:
+    parser = arguments(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
+    if args.command == "kit":
+        from palu_trainer.experiments.kit import write_kit_into
+
+        return write_kit_into(args.checkout)
     if args.ablation and (args.tune or args.methods != ["PALU"]):
         parser.error("--ablation runs PALU's points alone: no --tune, no --methods")
     if "side-by-side" in args.methods:
@@ -511,17 +345,8 @@ def main(argv=None) -> None:
     passed = {key: vars(args)[key] for key in passed}  # the options named as RecipeSettings' fields
     settings = settings_class(subset, model, gpus, args.lr, attn_implementation=attention, **passed)
     accelerate_dir = Path("saves/accelerate")
-    accelerate_config = accelerate_dir / "accelerate.yaml"
-    if args.ablation:
-        runs = [
-            (ABLATED_METHOD, replace(settings, variant=((args.ablation, label),), extra=overrides))
-            for label, overrides in AXES[args.ablation].points.items()
-        ]
-        what = f"PALU ablation, {AXES[args.ablation].title}"
-    else:
-        runs = method_runs(settings, args.methods, args.tune)
-        what = ", ".join(args.methods) + (" (lr x knob grid)" if args.tune else "")
-    steps = plan(runs, accelerate_config)
+    runs, what = planned_runs(args, settings)
+    steps = plan(runs, accelerate_dir / "accelerate.yaml")
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     print(f"plan: {settings.describe()}, {model}, {gpus} GPU(s), {what}: {len(runs)} runs")
@@ -529,27 +354,10 @@ def main(argv=None) -> None:
         print(f"# {title}\n{shlex.join(command)}")
     if args.dry_run:
         return
-    problems = attention_problems + missing_requirements(
-        settings,
-        needs_original_logs=args.report is not None,
-        needs_idk_answers=any(METHODS[method].uses_idk_answers for method in args.methods),
-    )
-    if problems:
-        listed = "".join(f"\n  - {problem}" for problem in problems)
-        offline = "On a CPU-only or offline machine, `make demo` runs the offline miniature instead."
-        print(f"\ncannot run the real recipe here:{listed}\n{offline}", file=sys.stderr)
-        sys.exit(2)
+    refuse_what_is_missing(settings, args, attention_problems)
     if gpus > 1:
         launch.write_accelerate_config(accelerate_dir, gpus)
-    wall_times = {}
-    for title, command in steps:
-        started = time.monotonic()
-        print(f"\n== {title}", flush=True)
-        subprocess.run(command, check=True)
-        seconds = time.monotonic() - started
-        print(f"== {title}: {seconds:.0f} s", flush=True)
-        if title.endswith("unlearn"):
-            wall_times[title.split(":")[0]] = seconds
+    wall_times = run_steps(steps)
     if args.report:
         for label, path in write_comparison(runs, wall_times, args.report).items():
             print(f"{label}: {path}")
