@@ -163,24 +163,85 @@ def python_lines(folder: Path) -> int:
     return sum(len(path.read_text().splitlines()) for path in folder.rglob("*.py"))
 
 
-def test_the_line_budgets_of_issue_60_hold():
-    """What must ship, counted as `wc -l` counts it: the wheel's Python (the plugin and its search-path
-    plugin), the glue that touches open-unlearning (`framework/`), the method, and `compute_loss`."""
+def test_the_method_and_compute_loss_stay_small_and_each_floors_size_is_printed():
+    """The method (`method/`) within 1,300 lines and `PALUTrainer.compute_loss` within 20, as `wc -l` counts
+    them; every floor's lines printed for docs/layout.md. The rest is held by the limits per function and
+    module below."""
     import inspect
 
     from palu_trainer.framework.trainers.palu import PALUTrainer
 
-    wheel = python_lines(PACKAGE_DIR) + python_lines(PACKAGE_DIR.parent / "hydra_plugins")
-    compute_loss = len(inspect.getsource(PALUTrainer.compute_loss).splitlines())
-    budgets = {
-        # raised for the fifth sweep's code (issue 80), the framework's own scripts' (issue 81: evaluation
-        # under several processes, the kept model, the mirrors under src/train.py and src/eval.py) and the
-        # options' help, which moved from the YAMLs and docs/method.md into options.py, and the modules split
-        # to one job each, until per-function and per-module limits replace them (issue 82)
-        "wheel": (wheel, 8150),
-        "framework": (python_lines(PACKAGE_DIR / "framework"), 3050),
-        "method": (python_lines(PACKAGE_DIR / "method"), 1300),
-        "compute_loss": (compute_loss, 20),
+    floors = {
+        name: python_lines(PACKAGE_DIR / name) if (PACKAGE_DIR / name).is_dir() else python_lines_of(name)
+        for name in ("validation.py", "method", "options.py", "spans", "benchmarks", "training", "framework")
+        + ("experiments",)
     }
-    print({name: lines for name, (lines, _) in budgets.items()})
-    assert {name: lines for name, (lines, limit) in budgets.items() if lines > limit} == {}
+    compute_loss = len(inspect.getsource(PALUTrainer.compute_loss).splitlines())
+    print(floors, "compute_loss", compute_loss)
+    assert floors["method"] <= 1300 and compute_loss <= 20
+
+
+def python_lines_of(module: str) -> int:
+    return len((PACKAGE_DIR / module).read_text().splitlines())
+
+
+FUNCTION_LINES, MODULE_LINES = 60, 400
+# Modules over MODULE_LINES until they are split (issue 82), at their size today: none may grow, and no other
+# module may pass the limit.
+MODULES_TO_SPLIT = {
+    "framework/patches.py": 545,
+    "framework/checks.py": 474,
+    "spans/annotator.py": 452,
+    "training/run_guard.py": 405,
+}
+
+
+def wheel_modules() -> dict[str, Path]:
+    paths = [*PACKAGE_DIR.rglob("*.py"), *(PACKAGE_DIR.parent / "hydra_plugins").rglob("*.py")]
+    return {path.relative_to(PACKAGE_DIR).as_posix() if path.is_relative_to(PACKAGE_DIR) else path.name: path
+            for path in paths}  # fmt: skip
+
+
+def sizes(modules: dict[str, Path]) -> tuple[dict[str, int], dict[str, int]]:
+    """(lines of each function, `module:name:line`, decorators counted with it; lines of each module)."""
+    functions, lines = {}, {}
+    for name, path in modules.items():
+        text = path.read_text()
+        lines[name] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = min([decorator.lineno for decorator in node.decorator_list] + [node.lineno])
+                functions[f"{name}:{node.name}:{start}"] = node.end_lineno - start + 1
+    return functions, lines
+
+
+def over_the_limits(modules: dict[str, Path]) -> dict[str, int]:
+    """The functions over FUNCTION_LINES, and the modules over MODULE_LINES but for MODULES_TO_SPLIT at
+    their size today."""
+    functions, lines = sizes(modules)
+    long_functions = {name: count for name, count in functions.items() if count > FUNCTION_LINES}
+    long_modules = {
+        name: count
+        for name, count in lines.items()
+        if count > max(MODULE_LINES, MODULES_TO_SPLIT.get(name, 0))
+    }
+    return long_functions | long_modules
+
+
+def test_no_function_of_the_wheel_is_over_60_lines_and_no_module_over_400():
+    """A function a reader can hold on a screen, a module with one job; the longest of each is printed."""
+    functions, lines = sizes(wheel_modules())
+    longest = max(functions, key=functions.get)
+    print(f"longest function {longest} ({functions[longest]} lines)")
+    print("longest modules", sorted(lines.items(), key=lambda item: -item[1])[:3])
+    assert over_the_limits(wheel_modules()) == {}
+
+
+def test_the_size_limits_catch_a_long_function_and_a_grown_module(tmp_path):
+    """The check above can fail: a function of 61 lines, and a module to split that grew by a line."""
+    long = tmp_path / "long.py"
+    long.write_text("@decorated\ndef long():\n" + "".join(f"    x{i} = {i}\n" for i in range(59)))
+    assert over_the_limits({"long.py": long}) == {"long.py:long:1": 61}
+    grown = tmp_path / "run_guard.py"
+    grown.write_text("x = 1\n" * (MODULES_TO_SPLIT["training/run_guard.py"] + 1))
+    assert over_the_limits({"training/run_guard.py": grown}) == {"training/run_guard.py": 406}

@@ -102,20 +102,29 @@ def run_framework_script(script: str, config_name: str) -> None:
     # a mistyped path or an offline hub id, in a second or two: before torch's and the framework's imports
     refuse(prog, command_line_model_problem(argv, script))
     src = ensure_importable()
+    checked_composition(prog, script, config_name, src, argv)
+    import hydra
+
+    module = importlib.import_module(script)
+
+    @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
+    def main(cfg):
+        prepare_job(prog, script, module, cfg, src)
+        run_job(prog, script, module, cfg)
+
+    main()
+
+
+def checked_composition(prog: str, script: str, config_name: str, src: Path, argv) -> None:
+    """Compose the run's config once, refuse its mistakes and the stack's, register PALU and take a training
+    run's output folder, all before Hydra's run starts; the run then reuses this composition. The model paths
+    are checked before torch, transformers or the framework is imported."""
     composed = composed_run_config(config_name, src.parent / "configs", argv)
     if composed is not None:
         refuse(prog, model_problems(composed[0], script))
-
-    import hydra
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-
-    from palu_trainer.framework.local_mirrors import hub_hint, redirect_to_local_mirrors
-    from palu_trainer.framework.patches import composing_once, patch_framework_script, patch_palu_train_script
+    from palu_trainer.framework.patches import composing_once
     from palu_trainer.framework.registry import register
-    from palu_trainer.framework.stack import compute_loss_problem, stack_problem
-    from palu_trainer.training.crashes import crash_problem, mark_crashed
-    from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
+    from palu_trainer.framework.stack import stack_problem
     from palu_trainer.training.run_lock import take_output_folder
 
     refuse(prog, stack_problem(src))
@@ -126,49 +135,61 @@ def run_framework_script(script: str, config_name: str) -> None:
             # before Hydra writes the run's .hydra/ and log into the folder, which another run may hold
             refuse(prog, take_output_folder(composed.paths.output_dir))
         composing_once(composed)
+
+
+def prepare_job(prog: str, script: str, module, cfg, src: Path) -> None:
+    """In Hydra's job: the CPU runtime check, the local dataset mirrors and the framework script's loaders
+    wrapped; for training, the trainer's `compute_loss` and the checkpoint to resume from checked."""
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
     from palu_trainer.framework import checks
+    from palu_trainer.framework.local_mirrors import redirect_to_local_mirrors
+    from palu_trainer.framework.patches import patch_framework_script, patch_palu_train_script
+    from palu_trainer.framework.stack import compute_loss_problem
+    from palu_trainer.training.resume import checkpoint_to_resume, resumed_model_problem
 
-    module = importlib.import_module(script)
+    runtime = HydraConfig.get().runtime.choices.get("runtime")
+    refuse(prog, checks.cpu_runtime_missing(runtime, torch.cuda.is_available()))
+    try:
+        for line in redirect_to_local_mirrors(cfg):
+            logger.info("local dataset mirror: %s", line)
+    except FileNotFoundError as error:
+        sys.exit(f"{prog}: {error}")
+    patch_framework_script(module, cfg)  # what the Hydra callback does under src/train.py
+    if script != "train":
+        return
+    from trainer import TRAINER_REGISTRY
 
-    @hydra.main(version_base=None, config_path=str(src.parent / "configs"), config_name=config_name)
-    def main(cfg):
-        runtime = HydraConfig.get().runtime.choices.get("runtime")
-        refuse(prog, checks.cpu_runtime_missing(runtime, torch.cuda.is_available()))
-        try:
-            for line in redirect_to_local_mirrors(cfg):
-                logger.info("local dataset mirror: %s", line)
-        except FileNotFoundError as error:
-            sys.exit(f"{prog}: {error}")
-        patch_framework_script(module, cfg)  # what the Hydra callback does under src/train.py
-        if script == "train":
-            from trainer import TRAINER_REGISTRY
+    trainer_class = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
+    refuse(prog, trainer_class and compute_loss_problem(trainer_class, src))
+    args = cfg.trainer.args
+    try:
+        checkpoint = checkpoint_to_resume(args.get("resume_from_checkpoint"), args.output_dir, logger.warning)
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"{prog}: {error}")
+    refuse(prog, resumed_model_problem(checkpoint, cfg.model.model_args.get("pretrained_model_name_or_path")))
+    if warning := checkpoint and checks.mid_epoch_warning(checkpoint):
+        logger.warning(warning)
+    patch_palu_train_script(module, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
 
-            trainer_class = TRAINER_REGISTRY.get(cfg.trainer.get("handler"))
-            refuse(prog, trainer_class and compute_loss_problem(trainer_class, src))
-            args = cfg.trainer.args
-            try:
-                checkpoint = checkpoint_to_resume(
-                    args.get("resume_from_checkpoint"), args.output_dir, logger.warning
-                )
-            except (FileNotFoundError, ValueError) as error:
-                sys.exit(f"{prog}: {error}")
-            model = cfg.model.model_args.get("pretrained_model_name_or_path")
-            refuse(prog, resumed_model_problem(checkpoint, model))
-            warning = checkpoint and checks.mid_epoch_warning(checkpoint)
-            if warning:
-                logger.warning(warning)
-            patch_palu_train_script(module, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
-        try:
-            module.main.__wrapped__(cfg)  # the framework's main, without its own hydra.main
-            release_process_group()
-        except checks.BadInput as error:
-            sys.exit(f"{prog}: {error}")
-        except Exception as error:
-            crashed = mark_crashed(cfg.paths.output_dir, error) if script == "train" else crash_problem(error)
-            refuse(prog, hub_hint(error) or crashed)
-            raise
 
-    main()
+def run_job(prog: str, script: str, module, cfg) -> None:
+    """The framework's main on `cfg`, without its own hydra.main; bad input and the crashes a user can fix
+    end in one line, a training run's folder marked failed."""
+    from palu_trainer.framework import checks
+    from palu_trainer.framework.local_mirrors import hub_hint
+    from palu_trainer.training.crashes import crash_problem, mark_crashed
+
+    try:
+        module.main.__wrapped__(cfg)
+        release_process_group()
+    except checks.BadInput as error:
+        sys.exit(f"{prog}: {error}")
+    except Exception as error:
+        crashed = mark_crashed(cfg.paths.output_dir, error) if script == "train" else crash_problem(error)
+        refuse(prog, hub_hint(error) or crashed)
+        raise
 
 
 def release_process_group() -> None:

@@ -105,64 +105,77 @@ def validate_annotations(
             f"{source}: {len(rows)} annotation rows but the dataset has {len(answers)} rows; "
             "the file was made for another split or dataset"
         )
-    key = f"{field}_sha1"
     all_spans = []
     for position, (row, answer) in enumerate(zip(rows, answers)):
         where = f"{source} row {position}"
-        if not _is_int(row["index"]):
-            raise AnnotationError(f"{where}, field 'index': {excerpt(row['index'])} is not an integer")
-        if row["index"] != position:
-            raise AnnotationError(
-                f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order"
-            )
-        if key not in row:
-            raise AnnotationError(
-                f"{where}: no {key}; spans of this dataset index its {field!r} field, the file was made "
-                "for another kind of dataset"
-            )
-        if row[key] != fingerprint(answer):
-            raise AnnotationError(
-                f"{where}: {field} fingerprint differs from the dataset's {field} "
-                f"({row[key][:10]}… vs {fingerprint(answer)[:10]}…): the file belongs to "
-                "another split or its rows are shifted; regenerate it for this dataset"
-            )
-        field_spans = f"{where}, field 'spans'"
-        if not isinstance(row["spans"], list):
-            raise AnnotationError(
-                f'{field_spans}: {excerpt(row["spans"])} is not a list; a row without spans has `"spans": []`'
-            )
-        for number, span in enumerate(row["spans"]):
-            if isinstance(span, dict):
-                raise AnnotationError(
-                    f"{field_spans}[{number}]: {excerpt(span)} is an object; spans are [start, end] pairs "
-                    "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
-                )
-            if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
-                raise AnnotationError(
-                    f"{field_spans}[{number}]: {excerpt(span)} is not a [start, end] pair of integer "
-                    "character offsets"
-                )
+        check_row_identity(row, position, answer, where, field)
+        check_span_shapes(row["spans"], f"{where}, field 'spans'")
         spans = [(start, end) for start, end in row["spans"]]
-        previous_end = 0
-        for start, end in spans:
-            if start >= end:
-                raise AnnotationError(
-                    f"{field_spans}: span [{start}, {end}) is empty or reversed (start >= end)"
-                )
-            if not 0 <= start < end <= len(answer):
-                article = "an" if field[0] in "aeiou" else "a"
-                raise AnnotationError(
-                    f"{where}: span [{start}, {end}) is out of range for {article} {field} of {len(answer)} "
-                    "characters"
-                )
-            if start < previous_end:
-                raise AnnotationError(
-                    f"{where}: span [{start}, {end}) overlaps or precedes the previous span; "
-                    "spans must be sorted and disjoint"
-                )
-            previous_end = end
+        check_span_bounds(spans, len(answer), where, field)
         all_spans.append(spans)
     return all_spans
+
+
+def check_row_identity(row: dict, position: int, answer: str, where: str, field: str) -> None:
+    """The row is the dataset's row `position`: its index, and the fingerprint of its `field` value."""
+    key = f"{field}_sha1"
+    if not _is_int(row["index"]):
+        raise AnnotationError(f"{where}, field 'index': {excerpt(row['index'])} is not an integer")
+    if row["index"] != position:
+        raise AnnotationError(
+            f"{where}: index is {row['index']}, expected {position}; rows must be in dataset order"
+        )
+    if key not in row:
+        raise AnnotationError(
+            f"{where}: no {key}; spans of this dataset index its {field!r} field, the file was made "
+            "for another kind of dataset"
+        )
+    if row[key] != fingerprint(answer):
+        raise AnnotationError(
+            f"{where}: {field} fingerprint differs from the dataset's {field} "
+            f"({row[key][:10]}… vs {fingerprint(answer)[:10]}…): the file belongs to "
+            "another split or its rows are shifted; regenerate it for this dataset"
+        )
+
+
+def check_span_shapes(spans, field_spans: str) -> None:
+    """`spans` is a list of [start, end] pairs of integers."""
+    if not isinstance(spans, list):
+        raise AnnotationError(
+            f'{field_spans}: {excerpt(spans)} is not a list; a row without spans has `"spans": []`'
+        )
+    for number, span in enumerate(spans):
+        if isinstance(span, dict):
+            raise AnnotationError(
+                f"{field_spans}[{number}]: {excerpt(span)} is an object; spans are [start, end] pairs "
+                "(convert TPO-style {start, end} rows with `palu-annotate import-tpo`)"
+            )
+        if not (isinstance(span, list) and len(span) == 2 and all(map(_is_int, span))):
+            raise AnnotationError(
+                f"{field_spans}[{number}]: {excerpt(span)} is not a [start, end] pair of integer "
+                "character offsets"
+            )
+
+
+def check_span_bounds(spans: list[Span], length: int, where: str, field: str) -> None:
+    """Each span is non-empty, within the `length` characters of its `field` value, after the previous one."""
+    previous_end = 0
+    for start, end in spans:
+        if start >= end:
+            raise AnnotationError(
+                f"{where}, field 'spans': span [{start}, {end}) is empty or reversed (start >= end)"
+            )
+        if not 0 <= start < end <= length:
+            article = "an" if field[0] in "aeiou" else "a"
+            raise AnnotationError(
+                f"{where}: span [{start}, {end}) is out of range for {article} {field} of {length} characters"
+            )
+        if start < previous_end:
+            raise AnnotationError(
+                f"{where}: span [{start}, {end}) overlaps or precedes the previous span; "
+                "spans must be sorted and disjoint"
+            )
+        previous_end = end
 
 
 EXCERPT_CHARACTERS = 80
