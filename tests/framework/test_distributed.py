@@ -31,7 +31,7 @@ from palu_trainer.method.reference_cache import count_positions
 from palu_trainer.method.roles import label_positions
 from palu_trainer.spans.format import write_annotations
 from palu_trainer.spans.tpo_spans import read_tpo
-from palu_trainer.training.run_guard import FAILED_RUN_FILE
+from palu_trainer.training.run_folder import FAILED_RUN_FILE
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import TAG_TEMPLATE, make_tofu_mirror, read_jsonl, tied_and_untied_models

@@ -19,7 +19,8 @@ import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
 from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, STAGING_DIR, hydra_quoted
+from palu_trainer.training.run_folder import FAILED_RUN_FILE, STAGING_DIR
+from palu_trainer.training.run_guard import hydra_quoted
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable

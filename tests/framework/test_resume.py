@@ -15,7 +15,7 @@ from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.lora import LoraSettings, add_adapters
 from palu_trainer.framework.patches import resuming, training_with_adapters
 from palu_trainer.training.resume import checkpoint_to_resume
-from palu_trainer.training.run_guard import remove_stale_weights
+from palu_trainer.training.run_folder import remove_stale_weights
 
 from ..conftest import TAG_TEMPLATE
 from .test_datasets import span_dataset

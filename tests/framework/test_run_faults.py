@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, hydra_quoted
+from palu_trainer.training.run_folder import FAILED_RUN_FILE
+from palu_trainer.training.run_guard import hydra_quoted
 from palu_trainer.training.run_lock import LOCK_FILE
 
 from ..conftest import unavailable

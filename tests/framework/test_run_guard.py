@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from palu_trainer.training.run_guard import (
-    FAILED_RUN_FILE,
-    RunGuard,
-    RunStopped,
-    failed_run_problem,
-)
+from palu_trainer.training.run_folder import FAILED_RUN_FILE, failed_run_problem
+from palu_trainer.training.run_guard import RunGuard, RunStopped
 from palu_trainer.training.run_plan import (
     disk_estimate,
     disk_space_problem,

@@ -10,7 +10,7 @@ import pytest
 
 from palu_trainer.training import crashes
 from palu_trainer.training.crashes import crash_problem, mark_crashed, remove_stale_shared_memory
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, failed_run_problem
+from palu_trainer.training.run_folder import FAILED_RUN_FILE, failed_run_problem
 
 
 @pytest.mark.parametrize(

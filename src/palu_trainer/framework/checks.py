@@ -26,7 +26,7 @@ from palu_trainer.framework.training_arguments import (
 from palu_trainer.method.initiating import InitiatingOptions
 from palu_trainer.options import STOCK_RETAIN_LOSS_TYPES
 from palu_trainer.training.resume import checkpoints_newest_first
-from palu_trainer.training.run_guard import FAILED_RUN_FILE, final_weights
+from palu_trainer.training.run_folder import FAILED_RUN_FILE, final_weights
 from palu_trainer.validation import Alpha, Choice, Gamma, Number, Options, written
 
 

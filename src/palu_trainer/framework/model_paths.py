@@ -73,7 +73,7 @@ def model_path_problem(cfg, script) -> str | None:
                 f"{key}={value} belongs to a run that is still going ({running}): its final model is saved "
                 "last; evaluate the folder once that run has finished"
             )
-        from palu_trainer.training.run_guard import failed_run_problem
+        from palu_trainer.training.run_folder import failed_run_problem
 
         if failed := failed_run_problem(key, path):
             return failed

@@ -25,6 +25,12 @@ from transformers import TrainerCallback
 
 from palu_trainer.training.crashes import FAILED_RUN_FILE, mark_crashed
 from palu_trainer.training.resume import checkpoints_newest_first
+from palu_trainer.training.run_folder import (
+    FINISHED_LOOKING,
+    STAGING_DIR,
+    remove_stale_weights,
+    rotate_checkpoints,
+)
 from palu_trainer.training.run_plan import (
     ALLOW_LOW_DISK,
     disk_space_problem,
@@ -33,15 +39,6 @@ from palu_trainer.training.run_plan import (
 )
 
 logger = logging.getLogger(__name__)
-
-FINAL_WEIGHTS = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "model-*.safetensors",
-    "pytorch_model*.bin",
-)
-STAGING_DIR = "palu-checkpoint-staging"  # a checkpoint being written, renamed when whole
-FINISHED_LOOKING = (*FINAL_WEIGHTS, "config.json", "generation_config.json")
 
 
 def hydra_quoted(value: str) -> str:
@@ -65,32 +62,6 @@ class RunStopped(SystemExit):
         return self.message
 
 
-def final_weights(folder) -> list[str]:
-    return sorted({path.name for pattern in FINAL_WEIGHTS for path in Path(folder).glob(pattern)})
-
-
-def remove_stale_weights(output_dir: str) -> list[str]:
-    """Delete an earlier run's final weights from `output_dir` before training into it: the framework writes
-    them only after the last step, so an interrupted run would leave the old model beside its new
-    checkpoints, looking finished."""
-    stale = final_weights(output_dir)
-    for name in stale:
-        (Path(output_dir) / name).unlink()
-    return stale
-
-
-def failed_run_problem(key: str, folder) -> str | None:
-    path = Path(folder) / FAILED_RUN_FILE
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text())
-    when = f" at step {record['step']}" if record.get("step") is not None else ""
-    return (
-        f"{key}={folder} is a failed run's folder ({FAILED_RUN_FILE}: {record['reason']}{when}); it holds no "
-        f"finished model. {record.get('next', '')}".rstrip()
-    )
-
-
 def finite(value) -> bool:
     # None: no gradient norm, as clipping is off (max_grad_norm=0)
     return value is None or bool(torch.isfinite(torch.as_tensor(value)).all())
@@ -107,22 +78,6 @@ def gradient_norm(trainer) -> float | None:
         if parameter.grad is not None
     ]
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
-
-
-def rotate_checkpoints(trainer, output_dir: str) -> None:
-    """Delete `output_dir`'s oldest checkpoints beyond `save_total_limit`, as the Trainer does after a save:
-    its method `_rotate_checkpoints` up to transformers 4.x, the function `trainer_utils.rotate_checkpoints`
-    that 5.x replaced it with."""
-    if hasattr(trainer, "_rotate_checkpoints"):
-        trainer._rotate_checkpoints(use_mtime=False, output_dir=output_dir)
-        return
-    from transformers.trainer_utils import rotate_checkpoints as rotate
-
-    rotate(
-        output_dir=output_dir,
-        save_total_limit=trainer.args.save_total_limit,
-        best_model_checkpoint=trainer.state.best_model_checkpoint,
-    )
 
 
 class RunGuard(TrainerCallback):
