@@ -354,7 +354,12 @@ def test_forget_rows_in_the_retain_set_are_named():
 
 
 def test_resuming_on_other_data_is_refused(tmp_path):
-    from palu_trainer.framework.checks import RUN_DATA_FILE, CheckpointRecord, resume_data_problem, run_data
+    from palu_trainer.framework.provenance import (
+        RUN_DATA_FILE,
+        CheckpointRecord,
+        resume_data_problem,
+        run_data,
+    )
 
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
@@ -377,7 +382,7 @@ def test_resuming_on_other_data_is_refused(tmp_path):
 
 
 def test_a_mid_epoch_checkpoint_is_warned_about(tmp_path):
-    from palu_trainer.framework.checks import mid_epoch_warning
+    from palu_trainer.framework.provenance import mid_epoch_warning
 
     (tmp_path / "trainer_state.json").write_text(json.dumps({"epoch": 0.2, "global_step": 2}))
     warning = mid_epoch_warning(str(tmp_path))
@@ -546,7 +551,7 @@ def test_palu_eval_on_an_interrupted_run_names_its_checkpoint(tmp_path, tiny_mod
 
 
 def test_a_checkpoint_records_a_stock_methods_options_and_loras_and_a_resume_compares_them(tmp_path):
-    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, resume_options_problem, run_options
+    from palu_trainer.framework.provenance import RUN_OPTIONS_FILE, resume_options_problem, run_options
 
     cfg, _ = composed(["experiment=unlearn/tofu/default", "trainer=NPO", f"paths.output_dir={tmp_path}"])
     OmegaConf.update(cfg, "peft", {"r": 16, "alpha": 32}, force_add=True)
@@ -568,7 +573,7 @@ def test_a_checkpoint_records_a_stock_methods_options_and_loras_and_a_resume_com
 def test_a_resume_from_another_starting_model_of_the_same_shape_stops_naming_both(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 
-    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, resume_options_problem, run_options
+    from palu_trainer.framework.provenance import RUN_OPTIONS_FILE, resume_options_problem, run_options
 
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from palu_trainer.framework.checkout import checkout_dir
-from palu_trainer.framework.checks import ALLOW_OTHER_OPTIONS, OVERWRITE_FLAG, RUN_OPTIONS_FILE
+from palu_trainer.framework.checks import OVERWRITE_FLAG
+from palu_trainer.framework.provenance import ALLOW_OTHER_OPTIONS, RUN_OPTIONS_FILE
 from palu_trainer.training.run_folder import FAILED_RUN_FILE, STAGING_DIR
 from palu_trainer.training.run_guard import hydra_quoted
 from palu_trainer.training.run_lock import LOCK_FILE

@@ -143,7 +143,7 @@ def prepare_job(prog: str, script: str, module, cfg, src: Path) -> None:
     import torch
     from hydra.core.hydra_config import HydraConfig
 
-    from palu_trainer.framework import checks
+    from palu_trainer.framework import checks, provenance
     from palu_trainer.framework.local_mirrors import redirect_to_local_mirrors
     from palu_trainer.framework.patches import patch_framework_script, patch_palu_train_script
     from palu_trainer.framework.stack import compute_loss_problem
@@ -169,9 +169,9 @@ def prepare_job(prog: str, script: str, module, cfg, src: Path) -> None:
     except (FileNotFoundError, ValueError) as error:
         sys.exit(f"{prog}: {error}")
     refuse(prog, resumed_model_problem(checkpoint, cfg.model.model_args.get("pretrained_model_name_or_path")))
-    if warning := checkpoint and checks.mid_epoch_warning(checkpoint):
+    if warning := checkpoint and provenance.mid_epoch_warning(checkpoint):
         logger.warning(warning)
-    patch_palu_train_script(module, checkpoint, bool(cfg.get(checks.ALLOW_OTHER_DATA, False)))
+    patch_palu_train_script(module, checkpoint, bool(cfg.get(provenance.ALLOW_OTHER_DATA, False)))
 
 
 def run_job(prog: str, script: str, module, cfg) -> None:

@@ -91,13 +91,13 @@ def loader_wrapper(step):
 @loader_wrapper
 def resuming(trainer, trainer_args, checkpoint: str | None, allow_other_data: bool = False):
     """A trainer that resumes from `checkpoint` (train.py calls `train()`). Its checkpoints record the run's
-    data (`checks.CheckpointRecord`); resuming on other data is refused."""
-    from palu_trainer.framework import checks
+    data (`provenance.CheckpointRecord`); resuming on other data is refused."""
+    from palu_trainer.framework import checks, provenance
 
-    record = checks.run_data(trainer.train_dataset)
-    trainer.add_callback(checks.CheckpointRecord(checks.RUN_DATA_FILE, record))
+    record = provenance.run_data(trainer.train_dataset)
+    trainer.add_callback(provenance.CheckpointRecord(provenance.RUN_DATA_FILE, record))
     if checkpoint is not None:
-        error, warning = checks.resume_data_problem(checkpoint, record)
+        error, warning = provenance.resume_data_problem(checkpoint, record)
         if error and not allow_other_data:
             raise checks.BadInput(error)
         if warning or error:
@@ -418,10 +418,10 @@ def saving_merged(trainer):
 
 @loader_wrapper
 def recording_options(trainer, trainer_args, options: dict):
-    """A trainer whose checkpoints record the run's `options` (`checks.run_options`, read from the config
+    """A trainer whose checkpoints record the run's `options` (`provenance.run_options`, read from the config
     before the framework's get_model pops the model path out of it), which a resume compares
-    (`checks.resume_options_problem`)."""
-    from palu_trainer.framework.checks import RUN_OPTIONS_FILE, CheckpointRecord
+    (`provenance.resume_options_problem`)."""
+    from palu_trainer.framework.provenance import RUN_OPTIONS_FILE, CheckpointRecord
 
     trainer.add_callback(CheckpointRecord(RUN_OPTIONS_FILE, options))
     return trainer, trainer_args
@@ -522,7 +522,7 @@ def patch_framework_script(module, cfg) -> None:
     module.get_model = stopping_on_bad_input(get_model)
     if training:
         module.get_data = stopping_on_bad_input(checking_data(module.get_data, cfg))
-        from palu_trainer.framework.checks import run_options
+        from palu_trainer.framework.provenance import run_options
 
         module.load_trainer = recording_options(module.load_trainer, run_options(cfg))
         if cfg.get("best_model") is not None:
