@@ -14,73 +14,9 @@ from dataclasses import dataclass
 from itertools import compress, groupby
 from pathlib import Path
 
+from palu_trainer.spans import lexicon
 from palu_trainer.spans.format import Span, merge_spans
-
-TOKEN_PATTERN = re.compile(r"\w+(?:\.\w+)+\.?|\w+(?:['’&+-]\w+)*\+?|\S")
-QUOTE_PATTERN = re.compile(r'"([^"]+)"|“([^”]+)”|(?<!\w)[\'‘]([^\n]+?)[\'’](?!\w)')
-# "Karachi's"; the apostrophe of "Williams' books" is a token of its own and marks a possessor too.
-POSSESSIVE_ENDINGS = ("'s", "’s", "'", "’")
-POSSESSIVE = re.compile(r"['’]s?$")
-FUNCTION_WORDS = frozenset(
-    """a an the and or but nor of in on at to for from by with about into onto over under as than then so such
-    that this these those which who whom whose what when where why how there here it its he she they them his
-    her hers their theirs him i we you our your my me us one ones is are was were be been being am has have
-    had having do does did will would can could may might shall should must not no yes also often very too
-    just only even both either neither each every all any some many much more most several various other
-    another own same up out off while although though because since if whether until unless upon within
-    without through throughout despite due during before after between among across against toward towards
-    via per s thereby thus hence however therefore two three four five six seven eight nine ten first second
-    third specific exact particular certain""".split()
-)
-POSSESSIVE_DETERMINERS = frozenset("his her their its my our your".split())
-# Praise and intensity qualify a fact without being part of it: "respected surgeon" reveals "surgeon".
-EVALUATIVE_ADJECTIVES = frozenset(
-    """renowned acclaimed celebrated esteemed respected revered distinguished prominent notable illustrious
-    famous famed well-known popular brilliant keen sharp wise hard-working dedicated talented skilled prolific
-    tremendous immense considerable significant great unique distinctive remarkable incisive deep deeper
-    profound vivid exceptional influential beloved award-winning prestigious important key major
-    visceral""".split()
-)
-DETERMINERS = POSSESSIVE_DETERMINERS | frozenset("the a an this these those".split())
-# A verb follows a subject or an auxiliary; a noun or an adjective follows these.
-VERB_CONTEXT = frozenset(
-    """he she they it who which has have had was were is are be been being to will would can could may might
-    also often not further did does do""".split()
-)
-NOUN_CONTEXT = DETERMINERS | frozenset("such many several various of with on about some any each".split())
-CLAUSE_OPENERS = DETERMINERS | frozenset("to all from with in into on by".split())
-PHRASE_ENDINGS = frozenset(". , ; ! ? ) of and".split())
-# A span names the fact, not the person it describes: "lawyer father" reveals "lawyer".
-PERSON_NOUNS = frozenset(
-    """author authors writer writers novelist poet father mother parents individual person people man
-    woman""".split()
-)
-# Small words inside names and titles, and the separators of dates and ranges.
-NAME_JOINERS = frozenset("of for in the & de der del da di du la le von van al el bin ibn . -".split())
-NUMBER_JOINERS = frozenset("/ - . to".split())  # "05/25/1930", "18 to 24"
-# How exact a quantity is belongs to the fact: "approximately 30 years", "early 1980s".
-APPROXIMATORS = frozenset(
-    "approximately around about nearly almost roughly over under early late mid".split()
-)
-# Raw text: the currency before a number and the unit after it are part of the amount.
-CURRENCY_SIGNS = frozenset("£ $ € ¥".split())
-AMOUNT_UNITS = frozenset("% per cent percent million billion trillion bn m k".split())
-OPENING_QUOTES = frozenset('" “ ‘'.split())
-TITLE_ABBREVIATIONS = frozenset("dr mr mrs ms st jr sr prof".split())
-COPULAS = frozenset("is are was were became becomes".split())
-PREPOSITIONS = frozenset("of for with in on about into through".split())
-NO_INFORMATION = re.compile(
-    r"\b(?:no(?!,)|not|n't|never|un(?:disclosed|available|specified|confirmed|documented))\b.{0,60}?"
-    r"\b(?:information|details?|records?|known|available|disclosed|documented|confirmed|specified|public(?:ly)?)\b",
-    re.IGNORECASE,
-)
-# A no-information sentence that goes on to state something ("…, but his first work appeared when…",
-# "…; she has always written under her birth name").
-CONTRAST = re.compile(
-    r"\b(?:but|however|although|though|while|yet|likely|suggests?|inferred)\b|(?:;|,|\bas)\s+(?:she|he|they|it)\b",
-    re.IGNORECASE,
-)
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+from palu_trainer.spans.lexicon import Token, tokenize
 
 # Evidence that a lowercase phrase states a fact to forget. The weights were set by measuring word-token F1
 # against GPT-4o spans on TOFU forget05 (docs/span-annotations.md, "Agreement with GPT-4o"); F1 stays within
@@ -128,29 +64,6 @@ QUOTED, PUNCTUATION, NUMBER, NAME, FUNCTION, VERB, CONTENT, JOINER = "QPNEFVCJ"
 PHRASE_KINDS = frozenset((NUMBER, NAME, CONTENT, JOINER))
 
 
-@dataclass(frozen=True)
-class Token:
-    start: int
-    end: int
-    text: str
-
-    @property
-    def is_word(self) -> bool:
-        return self.text[0].isalnum() or self.text[0] == "_"
-
-    @property
-    def stem(self) -> str:
-        return POSSESSIVE.sub("", self.text.lower())
-
-    @property
-    def is_possessive(self) -> bool:
-        return self.text.endswith(POSSESSIVE_ENDINGS)
-
-
-def tokenize(text: str) -> list[Token]:
-    return [Token(match.start(), match.end(), match.group()) for match in TOKEN_PATTERN.finditer(text)]
-
-
 class Background:
     """Word statistics of a background corpus: document frequency, capitalisation and verb contexts."""
 
@@ -176,8 +89,12 @@ class Background:
                         self.lowercase_uses[stem] += 1
                     elif token.text[0].isupper():
                         self.capitalised_mid_sentence[stem] += 1
-                self.verb_contexts[stem] += (previous in VERB_CONTEXT) + (following in DETERMINERS)
-                self.noun_contexts[stem] += (previous in NOUN_CONTEXT) + (following in PHRASE_ENDINGS)
+                self.verb_contexts[stem] += (previous in lexicon.VERB_CONTEXT) + (
+                    following in lexicon.DETERMINERS
+                )
+                self.noun_contexts[stem] += (previous in lexicon.NOUN_CONTEXT) + (
+                    following in lexicon.PHRASE_ENDINGS
+                )
 
     def specificity(self, stem: str) -> float:
         """Decades of rarity: -log10 of the share of background documents that contain the word."""
@@ -197,14 +114,17 @@ class Background:
 
 def is_no_information(answer: str) -> bool:
     """True when every sentence says that nothing is known and none goes on to state something."""
-    sentences = SENTENCE_END.split(answer.strip())
-    return all(NO_INFORMATION.search(sentence) and not CONTRAST.search(sentence) for sentence in sentences)
+    sentences = lexicon.SENTENCE_END.split(answer.strip())
+    return all(
+        lexicon.NO_INFORMATION.search(sentence) and not lexicon.CONTRAST.search(sentence)
+        for sentence in sentences
+    )
 
 
 def quoted_spans(answer: str, max_words: int | None = None) -> list[Span]:
     """Quoted titles of at most `max_words` words, without the quotes or the punctuation inside them."""
     spans = []  # '"The Town That Drowned."' gives "The Town That Drowned"
-    for match in QUOTE_PATTERN.finditer(answer):
+    for match in lexicon.QUOTE_PATTERN.finditer(answer):
         start = match.start(match.lastindex)
         end = start + len(match.group(match.lastindex).rstrip(".,;:!? "))
         if end > start and (max_words is None or len(answer[start:end].split()) <= max_words):
@@ -215,12 +135,14 @@ def quoted_spans(answer: str, max_words: int | None = None) -> list[Span]:
 def is_sentence_start(tokens: Sequence[Token], position: int) -> bool:
     if position == 0 or tokens[position - 1].text in "!?":
         return True
-    if tokens[position - 1].text in OPENING_QUOTES and (position == 1 or tokens[position - 2].text in ":,"):
+    if tokens[position - 1].text in lexicon.OPENING_QUOTES and (
+        position == 1 or tokens[position - 2].text in ":,"
+    ):
         return True  # a quotation opens: 'He said: "The plan…'; mid-sentence quotes are titles
     if position < 2 or tokens[position - 1].text != ".":
         return tokens[position - 1].text == "."
     before = tokens[position - 2]  # a stop after an initial or a title ends an abbreviation: "Dr. Josh Axe"
-    return not (before.is_word and (len(before.text) == 1 or before.stem in TITLE_ABBREVIATIONS))
+    return not (before.is_word and (len(before.text) == 1 or before.stem in lexicon.TITLE_ABBREVIATIONS))
 
 
 def classify(
@@ -237,13 +159,13 @@ def classify(
             if plural_possessive and kinds[position - 1] == kinds[position + 1] == NAME:
                 kinds[position] = JOINER
     for position in range(len(tokens) - 1):
-        if kinds[position + 1] == NUMBER and tokens[position].stem in APPROXIMATORS:
+        if kinds[position + 1] == NUMBER and tokens[position].stem in lexicon.APPROXIMATORS:
             kinds[position] = JOINER
     for position in range(1, len(tokens) - 1):
         neighbours = kinds[position - 1], kinds[position + 1]
         word = tokens[position].text.lower()
-        in_name = neighbours == (NAME, NAME) and word in NAME_JOINERS
-        in_number = neighbours == (NUMBER, NUMBER) and word in NUMBER_JOINERS
+        in_name = neighbours == (NAME, NAME) and word in lexicon.NAME_JOINERS
+        in_number = neighbours == (NUMBER, NUMBER) and word in lexicon.NUMBER_JOINERS
         if (in_name and not (word == "." and is_sentence_start(tokens, position + 1))) or in_number:
             kinds[position] = JOINER
     return kinds
@@ -255,10 +177,10 @@ def _join_amounts(tokens: Sequence[Token], kinds: list[str]) -> None:
     for position in range(len(tokens)):
         if kinds[position] != NUMBER:
             continue
-        if position and tokens[position - 1].text in CURRENCY_SIGNS:
+        if position and tokens[position - 1].text in lexicon.CURRENCY_SIGNS:
             kinds[position - 1] = NUMBER
         following = position + 1
-        while words[following] in AMOUNT_UNITS and (
+        while words[following] in lexicon.AMOUNT_UNITS and (
             words[following] != "per" or words[following + 1] == "cent"
         ):
             kinds[following] = NUMBER
@@ -275,10 +197,11 @@ def _kind(tokens, position, earlier_kinds, quoted, background) -> str:
         return NUMBER
     stem = token.stem
     if token.text[0].isupper() and (
-        not is_sentence_start(tokens, position) or (stem not in FUNCTION_WORDS and background.is_name(stem))
+        not is_sentence_start(tokens, position)
+        or (stem not in lexicon.FUNCTION_WORDS and background.is_name(stem))
     ):
         return NAME
-    if stem in FUNCTION_WORDS or token.is_possessive:  # a possessor: "the author's name"
+    if stem in lexicon.FUNCTION_WORDS or token.is_possessive:  # a possessor: "the author's name"
         return FUNCTION
     if "-" in stem:  # compounds ("film-related", "thought-provoking") are adjectives or nouns
         return CONTENT
@@ -289,11 +212,11 @@ def _kind(tokens, position, earlier_kinds, quoted, background) -> str:
     if previous_kind == NAME and not tokens[position - 1].is_possessive and likelihood > 0.3:
         return VERB  # right after its subject: "Hina Ameen went", "Nikolai Abilov finds"
     starts_phrase = previous_kind in (FUNCTION, PUNCTUATION, VERB)
-    after_determiner = position > 0 and tokens[position - 1].text.lower() in DETERMINERS
+    after_determiner = position > 0 and tokens[position - 1].text.lower() in lexicon.DETERMINERS
     if stem.endswith("ing") and starts_phrase and not after_determiner and likelihood >= 0.5:
         return VERB  # "promoting tolerance", not "the engaging storytelling"
     following = tokens[position + 1].text.lower() if position + 1 < len(tokens) else "."
-    if stem.endswith("ing") and previous_kind == CONTENT and following in CLAUSE_OPENERS:
+    if stem.endswith("ing") and previous_kind == CONTENT and following in lexicon.CLAUSE_OPENERS:
         return VERB  # a participle after a noun opens a clause: "themes relating to", "platforms selling his"
     return VERB if likelihood > VERB_THRESHOLD else CONTENT
 
@@ -307,16 +230,16 @@ def phrase_evidence(
     evidence = WEIGHT_PER_WORD * min(len(stems), 3)
     evidence += WEIGHT_SPECIFICITY * max(background.specificity(stem) for stem in stems)
     previous_word = previous.text.lower()
-    if previous_word in POSSESSIVE_DETERMINERS or previous.is_possessive:
+    if previous_word in lexicon.POSSESSIVE_DETERMINERS or previous.is_possessive:
         evidence += WEIGHT_AFTER_POSSESSOR
-    if previous_word in PREPOSITIONS:
+    if previous_word in lexicon.PREPOSITIONS:
         evidence += WEIGHT_AFTER_PREPOSITION
     if previous_word in ("and", ",", "as"):
         evidence += WEIGHT_LIST_ITEM
     before = [token.text.lower() for token in tokens[max(phrase[0] - 2, 0) : phrase[0]]]
     if before and before[-1] in ("a", "an"):
         before.pop()
-    if before and before[-1] in COPULAS:  # what the subject is: "her father was a radiologist"
+    if before and before[-1] in lexicon.COPULAS:  # what the subject is: "her father was a radiologist"
         evidence += WEIGHT_PREDICATE
     if following in ("of", "to", "as", "that"):
         evidence += WEIGHT_BEFORE_OF
@@ -372,13 +295,15 @@ def _annotate_passage(passage: str, asked: set[str], background: Background, sty
     spans = list(quoted)
     for phrase in compress(phrases, kept):  # the fact without opening praise or a closing person noun
         first, last = phrase[0], phrase[-1]
-        while first <= last and kinds[first] == CONTENT and tokens[first].stem in EVALUATIVE_ADJECTIVES:
+        while (
+            first <= last and kinds[first] == CONTENT and tokens[first].stem in lexicon.EVALUATIVE_ADJECTIVES
+        ):
             first += 1
-        while first <= last and kinds[last] == CONTENT and tokens[last].stem in PERSON_NOUNS:
+        while first <= last and kinds[last] == CONTENT and tokens[last].stem in lexicon.PERSON_NOUNS:
             last -= 1
         if first <= last:  # nothing is left of "renowned author"; "Karachi's" ends with "Karachi"
             spans.append(
-                (tokens[first].start, tokens[last].start + len(POSSESSIVE.sub("", tokens[last].text)))
+                (tokens[first].start, tokens[last].start + len(lexicon.POSSESSIVE.sub("", tokens[last].text)))
             )
     return merge_spans(spans)
 
