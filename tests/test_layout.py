@@ -186,11 +186,6 @@ def python_lines_of(module: str) -> int:
 
 
 FUNCTION_LINES, MODULE_LINES = 60, 400
-# Modules over MODULE_LINES until they are split (issue 82), at their size today: none may grow, and no other
-# module may pass the limit.
-MODULES_TO_SPLIT = {
-    "framework/patches.py": 545,
-}
 
 
 def wheel_modules() -> dict[str, Path]:
@@ -213,15 +208,10 @@ def sizes(modules: dict[str, Path]) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def over_the_limits(modules: dict[str, Path]) -> dict[str, int]:
-    """The functions over FUNCTION_LINES, and the modules over MODULE_LINES but for MODULES_TO_SPLIT at
-    their size today."""
+    """The functions over FUNCTION_LINES and the modules over MODULE_LINES."""
     functions, lines = sizes(modules)
     long_functions = {name: count for name, count in functions.items() if count > FUNCTION_LINES}
-    long_modules = {
-        name: count
-        for name, count in lines.items()
-        if count > max(MODULE_LINES, MODULES_TO_SPLIT.get(name, 0))
-    }
+    long_modules = {name: count for name, count in lines.items() if count > MODULE_LINES}
     return long_functions | long_modules
 
 
@@ -239,6 +229,6 @@ def test_the_size_limits_catch_a_long_function_and_a_grown_module(tmp_path):
     long = tmp_path / "long.py"
     long.write_text("@decorated\ndef long():\n" + "".join(f"    x{i} = {i}\n" for i in range(59)))
     assert over_the_limits({"long.py": long}) == {"long.py:long:1": 61}
-    grown = tmp_path / "patches.py"
-    grown.write_text("x = 1\n" * (MODULES_TO_SPLIT["framework/patches.py"] + 1))
-    assert over_the_limits({"framework/patches.py": grown}) == {"framework/patches.py": 546}
+    grown = tmp_path / "grown.py"
+    grown.write_text("x = 1\n" * (MODULE_LINES + 1))
+    assert over_the_limits({"grown.py": grown}) == {"grown.py": 401}

@@ -291,7 +291,7 @@ def assert_checkpoint_is_the_final_model(checkpoint, final_weights, model_dir):
     from omegaconf import OmegaConf
 
     from palu_trainer.framework.checkout import ensure_importable
-    from palu_trainer.framework.patches import merging_adapter_checkpoints
+    from palu_trainer.framework.patches.adapters import merging_adapter_checkpoints
 
     ensure_importable()
     from model import get_model
@@ -507,3 +507,45 @@ def test_evaluation_during_training_under_zero3_gives_the_one_process_metrics(
         evals = tmp_path / "two" / f"checkpoint-{step}" / "evals"
         summary = json.loads((evals / "TOFU_SUMMARY.json").read_text())
         assert summary[EVALUATED_METRICS[0]] == pytest.approx(two[step][EVALUATED_METRICS[0]])
+
+
+PARTIAL_WINDOWS = [
+    *CONFIGURATIONS["PALU-reference-cache-tied"][0],
+    "trainer.args.gradient_accumulation_steps=2",
+    "trainer.args.num_train_epochs=2",
+    "++trainer.args.max_steps=-1",
+    "trainer.args.ddp_find_unused_parameters=false",
+]
+
+
+@pytest.mark.distributed
+def test_an_epochs_partial_window_steps_alike_under_ddp_and_zero3(
+    tmp_path, tofu_dir, shared_dir, model_dirs, zero3_config
+):
+    """6 forget rows on 2 ranks, 3 micro-batches each an epoch at accumulation 2: windows of 2 and 1, 4
+    steps in 2 epochs (docs/method.md, "Gradient accumulation"). DDP syncs and steps where accelerate counts
+    a window's end, ZeRO-3 where DeepSpeed does: both at the epoch's end too, so the runs agree (to
+    `assert_same_run`'s tolerances). With accelerate's count running across epochs, as transformers 4.45
+    sets it, DDP's optimizer skipped every step its count did not end (measured: no loss moved)."""
+    forget = read_jsonl(tofu_dir / "forget01.json")[:6]
+    retain = read_jsonl(tofu_dir / "retain99.json")[:1]
+    replaced = {"forget01": forget, "retain99": retain, "holdout01": retain}
+    mirror = make_tofu_mirror(tmp_path / "tofu", tofu_dir, replaced)
+    _, spans = read_tpo(shared_dir / "data" / "tofu_spans_gpt4o" / "forget01.jsonl")
+    annotations = tmp_path / "forget01.jsonl"
+    write_annotations(annotations, [row["answer"] for row in forget], spans[:6])
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", str(PALU_TRAIN)]
+    data, model_dir = (mirror, annotations), model_dirs[True]
+    ddp = run(torchrun, PARTIAL_WINDOWS, data, model_dir, tmp_path / "ddp", processes=2)
+    zero3 = run(
+        zero3_launcher(zero3_config), PARTIAL_WINDOWS, data, model_dir, tmp_path / "zero3", processes=2
+    )
+    for steps, _ in (ddp, zero3):
+        assert [entry["epoch"] for entry in steps] == pytest.approx([2 / 3, 1, 5 / 3, 2])
+    initial = load_file(model_dir / "model.safetensors")
+    for name, tensor in zero3[1].items():
+        update, ddp_update = tensor - initial[name], ddp[1][name] - initial[name]
+        assert float(ddp_update.norm()) > 0, name
+        assert float((update - ddp_update).norm()) <= 0.1 * float(ddp_update.norm()), name
+    for entry, ddp_entry in zip(zero3[0], ddp[0]):
+        assert entry["loss"] == pytest.approx(ddp_entry["loss"], rel=1e-3)

@@ -17,7 +17,11 @@ from palu_trainer.framework.lora import (
     adapter_problem,
     add_adapters,
 )
-from palu_trainer.framework.patches import merging_adapter_checkpoints, reference_without_copy, saving_merged
+from palu_trainer.framework.patches.adapters import (
+    merging_adapter_checkpoints,
+    reference_without_copy,
+    saving_merged,
+)
 
 from ..conftest import tied_and_untied_models
 from .test_bad_inputs import QUICK_RUN, run

@@ -267,3 +267,21 @@ def test_muse_dir_redirects_muse_news_loads_and_names_a_missing_split(muse_news_
     assert any(line.startswith("data.forget.MUSE_forget_spans") for line in changed)
     assert any("forget_knowmem_ROUGE" in line and "few_shot_dataset_hf_args" in line for line in changed)
     assert [hf.path for _, hf in dataset_loads(retain_from_privleak) if "muse-bench" in str(hf.path)] == []
+
+
+@pytest.mark.parametrize(
+    "benchmark, method, trainer",
+    [("tofu", "npo", "NPO"), ("tofu", "graddiff", "GradDiff"), ("muse", "simnpo", "SimNPO")],
+)
+def test_the_plugins_stock_experiments_are_the_frameworks_with_its_callback(benchmark, method, trainer):
+    ours = compose_unlearn([f"experiment=unlearn/{benchmark}/{method}", "task_name=t"])
+    frameworks = compose_unlearn(
+        [f"experiment=unlearn/{benchmark}/default", f"trainer={trainer}", "task_name=t"]
+    )
+    assert ours.trainer.handler == trainer
+    assert OmegaConf.to_container(ours) == OmegaConf.to_container(frameworks)
+    with initialize_config_dir(config_dir=str(checkout_dir() / "configs"), version_base=None):
+        hydra = compose(
+            "unlearn.yaml", [f"experiment=unlearn/{benchmark}/{method}", "task_name=t"], True
+        ).hydra
+    assert hydra.callbacks.palu_trainer._target_.endswith("FrameworkScript")

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.lora import LoraSettings, add_adapters
-from palu_trainer.framework.patches import resuming, training_with_adapters
+from palu_trainer.framework.patches import resuming
+from palu_trainer.framework.patches.adapters import training_with_adapters
 from palu_trainer.training.resume import checkpoint_to_resume
 from palu_trainer.training.run_folder import remove_stale_weights
 

@@ -112,9 +112,10 @@ def test_the_frameworks_stock_trainer_sums_accumulated_micro_batches_on_4_51(mak
     GradAscent, unpatched, with 2 accumulation steps, on a Llama (whose forward takes **kwargs). On
     transformers 4.45 each micro-batch counts half; on 4.51 (upstream main 4ad738a) it counts whole, so the
     gradient grows with the accumulation steps; on 5.5.4 (PR #191) it counts half again, as 5.x divides
-    whenever the loop counted no labels. The fix that palu-train applies halves it on each."""
+    whenever the loop counted no labels. The guarded trainer of palu-train and the plugin's experiments
+    halves it on each."""
     from palu_trainer.framework.checkout import ensure_importable
-    from palu_trainer.framework.patches import averaging_accumulated_losses
+    from palu_trainer.framework.trainers.guarded import GuardedTrainer
 
     ensure_importable()
     from trainer.unlearn.grad_ascent import GradAscent
@@ -125,18 +126,10 @@ def test_the_frameworks_stock_trainer_sums_accumulated_micro_batches_on_4_51(mak
         Version(transformers.__version__) >= Version("4.46")
     )
     assert accumulation_factor(trainer) == pytest.approx(1.0 if summed else 0.5, rel=1e-5)
-    fixed, _ = averaging_accumulated_losses(lambda: (trainer, None))()
-    assert accumulation_factor(fixed) == pytest.approx(0.5, rel=1e-5)
-
-
-def test_palu_train_averages_every_methods_accumulated_loss():
-    from palu_trainer.framework.patches import averaging_accumulated_losses
-
-    class Accepting:
-        model_accepts_loss_kwargs = True
-
-    trainer, args = averaging_accumulated_losses(lambda: (Accepting(), "args"))()
-    assert trainer.model_accepts_loss_kwargs is False and args == "args"
+    guarded = make_trainer(
+        trainer_class=type("GradAscent", (GuardedTrainer, GradAscent), {}), gradient_accumulation_steps=2
+    )
+    assert accumulation_factor(guarded) == pytest.approx(0.5, rel=1e-5)
 
 
 def fake_framework(tmp_path, passes_processing_class: bool, pin: str) -> Path:

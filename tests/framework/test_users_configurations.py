@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from palu_lab.trainer_config import tokenizer_keyword
 from palu_trainer.framework.checkout import ensure_importable
 from palu_trainer.framework.lora import AdaptersDisabled, LoraSettings, add_adapters
-from palu_trainer.framework.patches import reference_without_copy
+from palu_trainer.framework.patches.adapters import reference_without_copy
 from palu_trainer.spans.tpo_spans import read_tpo
 
 from ..conftest import TAG_TEMPLATE, read_jsonl, tied_and_untied_models

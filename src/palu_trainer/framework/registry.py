@@ -18,7 +18,10 @@ def register_into_running_framework() -> None:
     open-unlearning's own scripts, whose data and evaluators then read `TOFU_DIR`/`MUSE_DIR` whatever the
     experiment; in any other Hydra app nothing is imported."""
     if framework_running():
+        from palu_trainer.framework.patches import noting_summed_accumulation
+
         register()
+        noting_summed_accumulation()
         script = sys.modules.get("__main__")
         if hasattr(script, "get_evaluators") and hasattr(script, "main"):
             from palu_trainer.framework.patches import reading_local_mirrors

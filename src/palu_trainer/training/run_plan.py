@@ -32,7 +32,9 @@ def optimizer_steps(trainer) -> int:
     args = trainer.args
     if args.max_steps > 0:
         return args.max_steps
-    per_epoch = max(batches_per_rank(trainer) // args.gradient_accumulation_steps, 1)
+    per_epoch = math.ceil(
+        batches_per_rank(trainer) / args.gradient_accumulation_steps
+    )  # a partial last window
     return math.ceil(args.num_train_epochs * per_epoch)
 
 

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.trainers.accumulation import EpochWindowAccumulation
 from palu_trainer.training.resume import checkpoint_to_resume
 from palu_trainer.training.run_guard import RunGuard, RunStopped
 
@@ -32,13 +33,17 @@ def protect_run(trainer) -> RunGuard:
     return RunGuard(trainer, arguments, command)
 
 
-class GuardedTrainer:
-    """A Trainer whose own methods report to its run guard (`training.run_guard`); listed before the
-    Trainer's class among the bases. PALU's and TPO's trainers are; palu-train makes the stock ones so
-    (`patches.guarding_stock_trainers`)."""
+class GuardedTrainer(EpochWindowAccumulation):
+    """A Trainer whose own methods report to its run guard (`training.run_guard`), and whose steps are the
+    mean loss of each accumulation window of an epoch on every stack (`trainers.accumulation`); listed
+    before the Trainer's class among the bases. PALU's and TPO's trainers are; palu-train and the plugin's
+    experiments make the stock ones so (`patches.guarding_stock_trainers`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # the loss is a mean per micro-batch, for the loop to divide by the window's micro-batches; 4.51
+        # skips that division for models whose forward takes `**kwargs` (Llama, Qwen, Gemma)
+        self.model_accepts_loss_kwargs = False
         self.run_guard = protect_run(self)
 
     def training_step(self, *args, **kwargs):
@@ -161,9 +166,6 @@ class GuardedGradDiff(GuardedTrainer, GradDiff):
             retain_loss_type=options.retain_loss_type,
             **kwargs,
         )
-        # a mean per micro-batch: the Trainer divides it by the accumulation steps (see
-        # patches.averaging_accumulated_losses)
-        self.model_accepts_loss_kwargs = False
         use_non_reentrant_checkpointing(self.args)
         self._check_overlap()
 
