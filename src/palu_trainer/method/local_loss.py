@@ -10,7 +10,8 @@ from palu_trainer.method.chunking import at_least_fp32
 
 TARGETS = ("global_mean", "topk_mean", "ref_mean", "uniform", "zero")
 # `none`: the paper's local loss; `reference`: each initiating position's loss divided by the reference's own
-# (its `topk_spread`), so the term starts near 1 whatever the model's logit scale (issue 30's utility cliff).
+# (its `topk_spread`), so the term starts near 1 whatever the model's logit scale (docs/real-model.md: the
+# utility cliff).
 LOCAL_LOSS_SCALES = ("none", "reference")
 
 logger = logging.getLogger(__name__)
