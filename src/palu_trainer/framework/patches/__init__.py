@@ -183,6 +183,27 @@ def guarding_stock_trainers() -> None:
             TRAINER_REGISTRY[name] = type(stock.__name__, (GuardedTrainer, stock), attributes)
 
 
+def noting_a_sum(stock_init):
+    """`stock_init`, a stock trainer's `__init__`, followed by one line when the trainer built sums its
+    accumulated losses (its signature is the stock one: the options a config may give are its own)."""
+
+    @functools.wraps(stock_init)
+    def init(self, *args, **kwargs):
+        stock_init(self, *args, **kwargs)
+        accumulation = self.args.gradient_accumulation_steps
+        if getattr(self, "model_accepts_loss_kwargs", False) and accumulation > 1:
+            logger.warning(
+                "%s sums its loss over each window of gradient_accumulation_steps=%d micro-batches on "
+                "transformers %s instead of averaging it; palu-train and palu-trainer's experiments "
+                "(experiment=unlearn/tofu/npo, simnpo, graddiff) average it",
+                type(self).__name__,
+                accumulation,
+                transformers.__version__,
+            )
+
+    return init
+
+
 def noting_summed_accumulation() -> None:
     """The framework's registered trainers as the framework's own experiments run them, but for one line when
     one sums its accumulated losses: transformers 4.46 to 4.x skip dividing the loss by the accumulation
@@ -199,20 +220,7 @@ def noting_summed_accumulation() -> None:
         if issubclass(trainer_class, GuardedTrainer) or hasattr(trainer_class, STOCK_TRAINER):
             continue
 
-        def noted_init(self, *args, stock=trainer_class, **kwargs):
-            stock.__init__(self, *args, **kwargs)
-            accumulation = self.args.gradient_accumulation_steps
-            if getattr(self, "model_accepts_loss_kwargs", False) and accumulation > 1:
-                logger.warning(
-                    "%s sums its loss over each window of gradient_accumulation_steps=%d micro-batches on "
-                    "transformers %s instead of averaging it; palu-train and palu-trainer's experiments "
-                    "(experiment=unlearn/tofu/npo, simnpo, graddiff) average it",
-                    stock.__name__,
-                    accumulation,
-                    transformers.__version__,
-                )
-
-        attributes = {"__init__": noted_init, STOCK_TRAINER: trainer_class}
+        attributes = {"__init__": noting_a_sum(trainer_class.__init__), STOCK_TRAINER: trainer_class}
         attributes["__module__"] = trainer_class.__module__
         TRAINER_REGISTRY[name] = type(trainer_class.__name__, (trainer_class,), attributes)
 
