@@ -12,6 +12,7 @@ import transformers
 import palu_trainer
 from palu_trainer.framework import patches
 from palu_trainer.framework.checkout import ensure_importable
+from palu_trainer.framework.patches.composition import composing_once
 
 WHEEL = Path(palu_trainer.__file__).parent
 
@@ -110,7 +111,7 @@ def test_the_run_gets_the_prechecks_composition_as_hydra_would_compose_it(monkey
     overrides = [*argv[1:], "hydra.mode=RUN"]
     try:
         own = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)
-        patches.composing_once(composed)
+        composing_once(composed)
         assert hydra.get_mode("unlearn.yaml", argv[1:]) is None  # the config leaves it unset
         reused = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)
         again = hydra.compose_config("unlearn.yaml", overrides, run_mode=RunMode.RUN)

@@ -122,7 +122,7 @@ def checked_composition(prog: str, script: str, config_name: str, src: Path, arg
     composed = composed_run_config(config_name, src.parent / "configs", argv)
     if composed is not None:
         refuse(prog, model_problems(composed[0], script))
-    from palu_trainer.framework.patches import composing_once
+    from palu_trainer.framework.patches.composition import composing_once
     from palu_trainer.framework.registry import register
     from palu_trainer.framework.stack import stack_problem
     from palu_trainer.training.run_lock import take_output_folder
